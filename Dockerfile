@@ -1,0 +1,18 @@
+# The Tidal platform image: gateway, scheduler, workers, Flower and the simulated replica.
+# Real vLLM replicas use the upstream vllm/vllm-openai image (see docker-compose.yml, profile gpu).
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY tidal ./tidal
+COPY api ./api
+COPY router ./router
+COPY priority ./priority
+COPY scheduler ./scheduler
+COPY workers ./workers
+COPY batch_jobs ./batch_jobs
+COPY replicas ./replicas
+COPY bench ./bench
+RUN pip install --no-cache-dir ".[postgres,k8s]"
+ENV TIDAL_DATA_DIR=/data
+VOLUME /data
+ENTRYPOINT ["tidal"]

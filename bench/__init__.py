@@ -1,0 +1,12 @@
+"""Benchmarks: each measures speed or scale against a baseline measured in the same run.
+
+``tidal bench NAME [--quick]`` runs one; it prints a table and writes ``bench/results/NAME.json``.
+Benchmarks register here by name; each module exposes ``run(quick: bool, out_dir: Path, **options) -> list[dict]``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BENCHMARKS"]
+
+# name -> "module:function"
+BENCHMARKS: dict[str, str] = {}

@@ -1,0 +1,261 @@
+"""Async, connection-pooled HTTP client for one replica (vLLM, simulated, or any compatible server).
+
+Example::
+
+    async with ReplicaClient("http://127.0.0.1:8001") as replica:
+        reply = await replica.chat_completions({"model": "tiny", "messages": [...], "max_tokens": 8})
+        async for chunk in replica.stream_chat_completions({...}):
+            print(chunk["choices"][0]["delta"].get("content", ""), end="")
+        snap = await replica.load_snapshot()
+
+Failures raise the typed errors of :mod:`replicas.errors`, which say whether another replica may
+take the same request. :meth:`ReplicaClient.open` is the raw primitive the gateway's proxy uses:
+it gives the status and an iterator of the upstream bytes, untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from replicas.errors import (
+    ReplicaError,
+    ReplicaStreamError,
+    ReplicaTimeout,
+    ReplicaUnavailable,
+    error_from_status,
+)
+from replicas.metrics import LoadSnapshot, parse_load_snapshot
+
+__all__ = ["ReplicaClient", "UpstreamResponse", "iter_sse_events"]
+
+_JSON = {"Content-Type": "application/json"}
+
+
+class UpstreamResponse:
+    """A response being received from a replica: status, headers and the raw body stream."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, replica: str) -> None:
+        self._resp = resp
+        self.replica = replica
+        self.status = resp.status
+        self.headers = resp.headers
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, in whatever pieces the network delivers."""
+        try:
+            async for data in self._resp.content.iter_any():
+                yield data
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+            raise ReplicaStreamError(f"stream from replica broke: {exc!r}", replica=self.replica) from exc
+
+    async def read(self) -> bytes:
+        try:
+            return await self._resp.read()
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+            raise ReplicaUnavailable(f"reading the reply failed: {exc!r}", replica=self.replica) from exc
+
+
+async def iter_sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Split a byte stream into SSE ``data:`` payloads (without the prefix); stops at ``[DONE]``."""
+    buf = b""
+    async for piece in chunks:
+        buf += piece
+        while True:
+            sep = buf.find(b"\n\n")
+            if sep == -1:
+                break
+            event, buf = buf[:sep], buf[sep + 2 :]
+            for line in event.split(b"\n"):
+                line = line.rstrip(b"\r")
+                if line.startswith(b"data:"):
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        return
+                    yield payload
+
+
+class ReplicaClient:
+    """One replica's HTTP API with a keep-alive connection pool.
+
+    **Parameters:**
+
+    * ``base_url`` -- e.g. ``http://10.0.0.7:8000`` (no trailing ``/v1``).
+    * ``api_key`` -- sent as ``Authorization: Bearer``, if the replica wants one.
+    * ``pool_size`` -- most simultaneous connections to this replica.
+    * ``connect_timeout`` / ``read_timeout`` -- seconds; ``read_timeout`` bounds the wait for each
+      piece of the body (and so the first token), not the whole stream.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        pool_size: int = 512,
+        connect_timeout: float = 3.0,
+        read_timeout: float | None = 600.0,
+        name: str | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.name = name or self.base_url
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._pool_size = pool_size
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._pool_size, keepalive_timeout=60, ttl_dns_cache=300)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, headers=self._headers, auto_decompress=False
+            )
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> ReplicaClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # -- raw primitive ---------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def open(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        raise_for_status: bool = True,
+    ) -> AsyncIterator[UpstreamResponse]:
+        """Send a request and hold the response open while the caller reads it.
+
+        With ``raise_for_status`` an error status raises the typed error (body read and parsed);
+        otherwise the caller gets the response whatever its status.
+        """
+        session = self._get_session()
+        hdrs = dict(_JSON) if body is not None else {}
+        if headers:
+            hdrs.update(headers)
+        req_timeout = aiohttp.ClientTimeout(total=timeout, connect=self._timeout.connect) if timeout else None
+        try:
+            cm = session.request(method, self.base_url + path, data=body, headers=hdrs, timeout=req_timeout)
+            resp = await cm.__aenter__()
+        except TimeoutError as exc:
+            raise ReplicaTimeout(f"{method} {path} timed out", replica=self.name) from exc
+        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+            raise ReplicaUnavailable(f"{method} {path} failed: {exc!r}", replica=self.name) from exc
+        try:
+            if raise_for_status and resp.status >= 400:
+                raise await self._error(resp)
+            yield UpstreamResponse(resp, self.name)
+        finally:
+            resp.release()
+            await cm.__aexit__(None, None, None)
+
+    async def _error(self, resp: aiohttp.ClientResponse) -> ReplicaError:
+        try:
+            text = (await resp.read()).decode(errors="replace")
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+            text = ""
+        body: dict[str, Any] | None = None
+        try:
+            parsed = json.loads(text) if text else None
+            body = parsed if isinstance(parsed, dict) else None
+        except ValueError:
+            body = None
+        return error_from_status(resp.status, body, text, self.name)
+
+    async def _json(
+        self, method: str, path: str, payload: Any = None, *, timeout: float | None = None
+    ) -> Any:
+        body = json.dumps(payload).encode() if payload is not None else None
+        async with self.open(method, path, body=body, timeout=timeout) as resp:
+            raw = await resp.read()
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            return raw.decode(errors="replace")
+
+    async def _stream(self, path: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        body = json.dumps({**payload, "stream": True}).encode()
+        async with self.open("POST", path, body=body) as resp:
+            async for data in iter_sse_events(resp.iter_chunks()):
+                try:
+                    event = json.loads(data)
+                except ValueError as exc:
+                    raise ReplicaStreamError(f"bad SSE payload {data[:80]!r}", replica=self.name) from exc
+                if isinstance(event, dict) and "error" in event and "choices" not in event:
+                    err = event["error"]
+                    msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                    raise ReplicaStreamError(msg, body=event, replica=self.name)
+                yield event
+
+    # -- OpenAI-compatible API -------------------------------------------------------------------
+
+    async def chat_completions(
+        self, payload: dict[str, Any], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        result: dict[str, Any] = await self._json("POST", "/v1/chat/completions", payload, timeout=timeout)
+        return result
+
+    def stream_chat_completions(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        return self._stream("/v1/chat/completions", payload)
+
+    async def completions(self, payload: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = await self._json("POST", "/v1/completions", payload, timeout=timeout)
+        return result
+
+    def stream_completions(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        return self._stream("/v1/completions", payload)
+
+    async def embeddings(self, payload: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = await self._json("POST", "/v1/embeddings", payload, timeout=timeout)
+        return result
+
+    async def models(self) -> list[dict[str, Any]]:
+        result = await self._json("GET", "/v1/models", timeout=10)
+        data = result.get("data", []) if isinstance(result, dict) else []
+        return [m for m in data if isinstance(m, dict)]
+
+    async def health(self, timeout: float = 5.0) -> bool:
+        """True when ``/health`` answers 200 within ``timeout``."""
+        try:
+            async with self.open("GET", "/health", timeout=timeout, raise_for_status=False) as resp:
+                return resp.status == 200
+        except ReplicaError:
+            return False
+
+    async def load_lora_adapter(self, name: str, path: str) -> str:
+        result = await self._json(
+            "POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout=120
+        )
+        return str(result)
+
+    async def unload_lora_adapter(self, name: str) -> str:
+        result = await self._json("POST", "/v1/unload_lora_adapter", {"lora_name": name}, timeout=60)
+        return str(result)
+
+    async def metrics_text(self, timeout: float = 5.0) -> str:
+        async with self.open("GET", "/metrics", timeout=timeout) as resp:
+            return (await resp.read()).decode(errors="replace")
+
+    async def load_snapshot(self, timeout: float = 5.0) -> LoadSnapshot:
+        return parse_load_snapshot(await self.metrics_text(timeout))

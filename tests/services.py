@@ -1,0 +1,35 @@
+"""Reaching the real services tests need; absent services skip locally and fail under CI=true."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+
+import pytest
+
+__all__ = ["in_ci", "require_module", "require_tcp"]
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _missing(reason: str) -> None:
+    if in_ci():
+        pytest.fail(f"{reason} (CI=true: a missing service is a failure, not a skip)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_tcp(name: str, host: str, port: int, timeout: float = 2.0) -> None:
+    """Skip (or fail under CI) unless something accepts TCP connections on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return
+    except OSError as exc:
+        _missing(f"{name} is not reachable on {host}:{port}: {exc}")
+
+
+def require_module(name: str, why: str) -> None:
+    if importlib.util.find_spec(name) is None:
+        _missing(f"python module {name!r} is not installed ({why})")

@@ -1,0 +1,59 @@
+"""Every command describes itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from tidal.cli import COMMANDS, LazyGroup, cli
+
+
+def _all_commands() -> list[tuple[str, ...]]:
+    paths: list[tuple[str, ...]] = [()]
+    for name in COMMANDS:
+        cmd = LazyGroup._load(name)
+        if cmd is None:
+            continue
+        paths.append((name,))
+        if isinstance(cmd, click.Group):
+            paths += [(name, sub) for sub in cmd.commands]
+    return paths
+
+
+@pytest.mark.parametrize("path", _all_commands(), ids=lambda p: " ".join(p) or "tidal")
+def test_help_describes_the_command(path: tuple[str, ...]) -> None:
+    result = CliRunner().invoke(cli, [*path, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+    body = result.output.split("\n\n", 1)[1].strip()
+    assert len(body) > 20, f"`tidal {' '.join(path)} --help` does not describe itself:\n{result.output}"
+
+
+def test_console_entry_point_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tidal", "--version"], capture_output=True, text=True, check=True
+    )
+    assert "tidal" in out.stdout
+
+
+def test_keys_new_prints_a_key_and_its_hash() -> None:
+    result = CliRunner().invoke(cli, ["keys", "new"])
+    key = result.output.split("key:")[1].split()[0]
+    stored = result.output.split("hash:")[1].split()[0]
+    from tidal.fleet import verify_api_key
+
+    assert verify_api_key(key, stored)
+
+
+def test_fleet_check_names_bad_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "f.yaml"
+    bad.write_text(
+        "models: [{name: m}]\npools: {p: {kind: interactive, model: m, replicas: [{name: r, url: 'x'}]}}\n"
+    )
+    result = CliRunner().invoke(cli, ["fleet", "check", str(bad)])
+    assert result.exit_code == 1
+    assert "pools.p.replicas[0].url" in result.output

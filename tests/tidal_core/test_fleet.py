@@ -1,0 +1,135 @@
+"""The fleet config loads strictly: every bad key is named in the error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tidal.defaults import DEFAULT_FLEET_PATH
+from tidal.fleet import FleetConfigError, hash_api_key, load_fleet, parse_fleet, verify_api_key
+
+
+def minimal(**overrides: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "models": [{"name": "m"}],
+        "pools": {
+            "interactive": {
+                "kind": "interactive",
+                "model": "m",
+                "replicas": [{"name": "r0", "url": "http://127.0.0.1:9001"}],
+            }
+        },
+    }
+    data.update(overrides)
+    return data
+
+
+def test_default_fleet_loads() -> None:
+    fleet = load_fleet(DEFAULT_FLEET_PATH)
+    assert fleet.pools["interactive"].shared
+    assert fleet.pools["interactive"].name == "interactive"
+    assert [r.name for _, r in fleet.all_replicas()] == ["sim-i0", "sim-i1", "sim-b0"]
+    assert fleet.features["chat"].class_ == "interactive"
+
+
+def test_minimal_fleet_gets_defaults() -> None:
+    fleet = parse_fleet(minimal())
+    assert set(fleet.classes) == {"interactive", "batch"}
+    assert fleet.gate.sample_interval_s <= 0.25
+    assert fleet.pools["interactive"].replicas[0].base_url == "http://127.0.0.1:9001"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda d: d.update(colour="blue"), "colour: unknown key"),
+        (lambda d: d["pools"]["interactive"].update(kind="gpu"), "pools.interactive.kind: Input should be"),
+        (
+            lambda d: d["pools"]["interactive"]["replicas"][0].update(url="ftp://x"),
+            "pools.interactive.replicas[0].url: URL scheme should be 'http' or 'https'",
+        ),
+        (
+            lambda d: d["pools"]["interactive"]["replicas"][0].update(wieght=2),
+            "pools.interactive.replicas[0].wieght: unknown key",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(model="other"),
+            "pools.interactive.model: unknown model 'other'",
+        ),
+        (
+            lambda d: d.update(features={"chat": {"class": "fast"}}),
+            "features.chat.class: unknown class 'fast'",
+        ),
+        (
+            lambda d: d.update(features={"chat": {"context_cap": -5}}),
+            "features.chat.context_cap: Input should be greater than 0",
+        ),
+        (
+            lambda d: d.update(features={"x": {"regulated": True, "pin_external": True}}),
+            "features.x: a regulated feature cannot be pinned to the external provider",
+        ),
+        (
+            lambda d: d.update(features={"x": {"pin_external": True}}),
+            "features.x.pin_external: no external_provider is configured",
+        ),
+        (
+            lambda d: d.update(gate={"kv_usage_pause": 0.5, "kv_usage_resume": 0.8}),
+            "gate: kv_usage_resume must not exceed kv_usage_pause",
+        ),
+        (
+            lambda d: d.update(gate={"sample_interval_s": 1.0}),
+            "gate.sample_interval_s: Input should be less than or equal to 0.25",
+        ),
+        (
+            lambda d: d.update(tenants=[{"name": "t", "key_hashes": ["plaintext-key"]}]),
+            "tenants[0].key_hashes: key hashes must look like 'sha256:<64 lowercase hex digits>'",
+        ),
+        (
+            lambda d: d.update(tenants=[{"name": "t", "features": ["nope"]}]),
+            "tenants[0].features: unknown feature 'nope'",
+        ),
+        (
+            lambda d: d["pools"]["interactive"]["replicas"].append({"name": "r0", "url": "http://h:1"}),
+            "replica names: duplicate name 'r0'",
+        ),
+        (lambda d: d.pop("models"), "models: required key is missing"),
+        (
+            lambda d: d["pools"]["interactive"]["replicas"][0].update(launch={"kind": "sim"}),
+            "pools.interactive.replicas[0].launch: a sim launch needs 'preset'",
+        ),
+    ],
+)
+def test_bad_fleet_is_rejected_naming_the_key(mutate: Any, expected: str) -> None:
+    data = minimal()
+    mutate(data)
+    with pytest.raises(FleetConfigError) as exc:
+        parse_fleet(data, "test.yaml")
+    assert expected in str(exc.value), str(exc.value)
+
+
+def test_duplicate_yaml_keys_are_errors(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text("models: [{name: m}]\nmodels: [{name: n}]\npools: {}\n")
+    with pytest.raises(FleetConfigError, match="duplicate key 'models'"):
+        load_fleet(path)
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    data = minimal(colour="blue", features={"chat": {"class": "fast"}})
+    data["pools"]["interactive"]["replicas"][0]["url"] = "nope"
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(FleetConfigError) as exc:
+        load_fleet(path)
+    assert "colour: unknown key" in str(exc.value)
+    assert "pools.interactive.replicas[0].url" in str(exc.value)
+
+
+def test_api_keys_are_stored_hashed() -> None:
+    stored = hash_api_key("secret-key")
+    assert stored.startswith("sha256:") and "secret-key" not in stored
+    assert verify_api_key("secret-key", stored)
+    assert not verify_api_key("other", stored)

@@ -1,0 +1,3 @@
+from tidal.cli import main
+
+main()

@@ -1,0 +1,80 @@
+"""The ``tidal`` command line.
+
+Each subcommand lives in its own module and is imported only when used, so ``tidal --help``
+stays fast and a part that needs an optional extra (vLLM, Kubernetes) does not burden the rest.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+import click
+
+from tidal import __version__
+
+__all__ = ["main"]
+
+# name -> "module:attribute"; one line per subcommand.
+COMMANDS: dict[str, str] = {
+    "up": "tidal.cli.up:up",
+    "replica": "tidal.cli.replica:replica",
+    "sim": "tidal.cli.sim:sim",
+    "gateway": "tidal.cli.gateway:gateway",
+    "worker": "tidal.cli.worker:worker",
+    "flower": "tidal.cli.flower:flower",
+    "batch": "tidal.cli.batch:batch",
+    "jobs": "tidal.cli.jobs:jobs",
+    "scheduler": "tidal.cli.scheduler:scheduler",
+    "bench": "tidal.cli.bench:bench",
+    "fleet": "tidal.cli.fleet:fleet",
+    "keys": "tidal.cli.keys:keys",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported on first use; missing modules are simply not listed."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name in COMMANDS if self._load(name) is not None]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return self._load(cmd_name)
+
+    @staticmethod
+    def _load(name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                return None
+            raise
+        command = getattr(module, attr)
+        assert isinstance(command, click.Command)
+        return command
+
+
+@click.group(
+    cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
+@click.version_option(__version__, prog_name="tidal")
+@click.option("--log-level", default="INFO", show_default=True, help="Python logging level for this process.")
+def cli(log_level: str) -> None:
+    """Tidal: one GPU pool for interactive chat and batch LLM work.
+
+    Start everything on simulated replicas with `tidal up`; each part can also run on its own
+    (`tidal gateway`, `tidal worker`, `tidal scheduler`, `tidal sim`, ...).
+    """
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def main(argv: Any = None) -> None:
+    cli.main(args=argv, prog_name="tidal")

@@ -1,0 +1,48 @@
+"""``tidal fleet``: inspect and validate fleet configs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+__all__ = ["fleet"]
+
+
+@click.group()
+def fleet() -> None:
+    """Fleet config tools."""
+
+
+@fleet.command("check")
+@click.argument("path", type=click.Path(path_type=Path))
+def check(path: Path) -> None:
+    """Validate a fleet config strictly and summarise it; exit 1 naming every bad key.
+
+    Example: tidal fleet check examples/fleet.yaml
+    """
+    from tidal.fleet import FleetConfigError, load_fleet
+
+    try:
+        cfg = load_fleet(path)
+    except FleetConfigError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(1)
+    for pool in cfg.pools.values():
+        shared = " shared" if pool.shared else ""
+        click.echo(
+            f"pool {pool.name} ({pool.kind}{shared}, model {pool.model}): {len(pool.replicas)} replicas"
+        )
+        for r in pool.replicas:
+            click.echo(f"  {r.name} {r.base_url} group={r.group} weight={r.weight:g}")
+    click.echo(f"features: {', '.join(sorted(cfg.features))}")
+    click.echo("ok")
+
+
+@fleet.command("default")
+def default() -> None:
+    """Print the embedded default fleet config (the one `tidal up` uses)."""
+    from tidal.defaults import DEFAULT_FLEET_PATH
+
+    click.echo(DEFAULT_FLEET_PATH.read_text(), nl=False)

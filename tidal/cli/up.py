@@ -1,0 +1,249 @@
+"""``tidal up``: the whole platform on this machine, on embedded defaults.
+
+Every part runs as its own process, as it would in production (see ``docker-compose.yml``):
+the replicas the fleet config asks to launch, the gateway, the batch workers, the scheduler and
+Flower. ``tidal up`` starts them, prints where each listens, and stops them all on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+__all__ = ["Part", "plan_parts", "up"]
+
+
+@dataclass
+class Part:
+    """One process of the platform: the ``tidal`` subcommand that runs it and how to check it."""
+
+    name: str
+    command: str  # the tidal subcommand, e.g. "gateway"
+    args: list[str]
+    port: int | None = None
+    health_path: str = "/health"
+    env: dict[str, str] = field(default_factory=dict)
+    describe: str = ""
+
+    @property
+    def url(self) -> str | None:
+        return f"http://127.0.0.1:{self.port}" if self.port else None
+
+
+def _available(command: str) -> bool:
+    from tidal.cli import LazyGroup
+
+    return LazyGroup._load(command) is not None
+
+
+def plan_parts(fleet_path: Path, *, port: int, api_key: str, data_dir: Path) -> list[Part]:
+    """The processes ``tidal up`` runs for a fleet, in start order."""
+    from tidal.fleet import load_fleet
+
+    fleet = load_fleet(fleet_path)
+    parts: list[Part] = []
+    for pool, replica in fleet.all_replicas():
+        launch = replica.launch
+        if launch is None:
+            continue
+        rport = replica.url.port or 80
+        if launch.kind == "sim":
+            args = ["--preset", launch.preset or "", "--port", str(rport), "--served-model-name", pool.model]
+            parts.append(
+                Part(
+                    replica.name,
+                    "sim",
+                    args + launch.args,
+                    rport,
+                    describe=f"simulated replica ({launch.preset}), pool {pool.name}",
+                )
+            )
+        else:
+            args = [
+                "--model",
+                launch.model_dir or "",
+                "--port",
+                str(rport),
+                "--served-model-name",
+                pool.model,
+            ]
+            parts.append(
+                Part(
+                    replica.name,
+                    "replica",
+                    ["vllm", *args, *launch.args],
+                    rport,
+                    describe=f"vLLM replica, pool {pool.name}",
+                )
+            )
+    common_env = {"TIDAL_DATA_DIR": str(data_dir), "TIDAL_DEV_API_KEY": api_key}
+    parts.append(
+        Part(
+            "gateway",
+            "gateway",
+            ["--config", str(fleet_path), "--port", str(port)],
+            port,
+            health_path="/healthz",
+            env=common_env,
+            describe="OpenAI-compatible API: chat, completions, embeddings, files, batches",
+        )
+    )
+    parts.append(
+        Part(
+            "worker",
+            "worker",
+            ["--config", str(fleet_path), "--lane", "all"],
+            env=common_env,
+            describe="batch worker (lanes reserved, spot, shared)",
+        )
+    )
+    parts.append(
+        Part(
+            "scheduler",
+            "scheduler",
+            ["--config", str(fleet_path)],
+            env=common_env,
+            describe="batch gate, autoscaler, health prober, canary",
+        )
+    )
+    parts.append(
+        Part(
+            "flower",
+            "flower",
+            ["--port", "5555"],
+            5555,
+            health_path="/healthcheck",
+            env=common_env,
+            describe="Flower UI for the batch tier (basic auth)",
+        )
+    )
+    return parts
+
+
+@click.command()
+@click.option(
+    "--port",
+    default=8000,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Port of the gateway (the OpenAI-compatible API).",
+)
+@click.option(
+    "--api-key", default=None, help="API key of the development tenant (default: generated and printed)."
+)
+@click.option(
+    "--config",
+    "config",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Fleet config (default: the embedded one, see `tidal fleet default`).",
+)
+@click.option(
+    "--data-dir",
+    default=Path(".tidal"),
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help="Where the SQLite store, uploaded files and logs go.",
+)
+@click.option(
+    "--ready-timeout",
+    default=240.0,
+    show_default=True,
+    type=float,
+    help="Seconds to wait for each part to become healthy.",
+)
+def up(port: int, api_key: str | None, config: Path | None, data_dir: Path, ready_timeout: float) -> None:
+    """Run the whole platform locally on embedded defaults: simulated replicas, gateway, batch
+    workers, scheduler and Flower. Prints where each part listens; Ctrl-C stops everything.
+
+    Example: tidal up --port 8000 --api-key dev-key
+    """
+    from replicas.launcher import ReplicaProcess, ReplicaStartError
+    from tidal.defaults import DEFAULT_FLEET_PATH
+
+    fleet_path = (config or DEFAULT_FLEET_PATH).resolve()
+    key = api_key or f"tidal-dev-{secrets.token_urlsafe(24)}"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    logs = data_dir / "logs"
+    parts = plan_parts(fleet_path, port=port, api_key=key, data_dir=data_dir.resolve())
+
+    stop = threading.Event()
+
+    def _on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+
+    running: list[tuple[Part, ReplicaProcess]] = []
+    missing: list[Part] = []
+    click.echo(f"tidal up: fleet {fleet_path}, data in {data_dir}/, logs in {logs}/")
+    try:
+        for part in parts:
+            if stop.is_set():
+                break
+            if not _available(part.command):
+                missing.append(part)
+                continue
+            argv = [sys.executable, "-m", "tidal", part.command, *part.args]
+            proc = ReplicaProcess(
+                part.name,
+                argv,
+                port=part.port or 0,
+                env={**os.environ, **part.env},
+                log_path=logs / f"{part.name}.log",
+                health_path=part.health_path,
+            )
+            proc.start()
+            running.append((part, proc))
+        for part, proc in running:
+            if stop.is_set():
+                break
+            if part.port:
+                proc.wait_ready(ready_timeout)
+            elif not proc.running():
+                raise ReplicaStartError(f"{part.name} exited at start:\n{proc.log_tail()}")
+        if not stop.is_set():
+            _print_summary(running, missing, key, port)
+        while not stop.is_set():
+            for part, proc in running:
+                if not proc.running():
+                    click.echo(
+                        f"\n{part.name} stopped unexpectedly; its log ends with:\n{proc.log_tail(20)}",
+                        err=True,
+                    )
+                    stop.set()
+            stop.wait(1.0)
+    except ReplicaStartError as exc:
+        click.echo(f"\nstart-up failed: {exc}", err=True)
+        stop.set()
+    finally:
+        click.echo("\nstopping ...")
+        for part, proc in reversed(running):
+            proc.stop()
+            click.echo(f"  {part.name} stopped")
+        click.echo("bye")
+
+
+def _print_summary(running: Sequence[tuple[Part, object]], missing: list[Part], key: str, port: int) -> None:
+    click.echo("")
+    width = max((len(p.name) for p, _ in running), default=8)
+    for part, _ in running:
+        where = part.url or "(no port)"
+        click.echo(f"  {part.name:<{width}}  {where:<24}  {part.describe}")
+    for part in missing:
+        click.echo(f"  {part.name:<{width}}  {'not available yet':<24}  {part.describe}")
+    if any(p.command == "gateway" for p, _ in running):
+        click.echo(f"\nOpenAI base URL: http://127.0.0.1:{port}/v1   API key: {key}")
+    click.echo("Ready. Ctrl-C stops everything.")
+    sys.stdout.flush()
+    time.sleep(0)

@@ -1,0 +1,453 @@
+"""The fleet config: pools, replicas, models, adapters, features, classes and thresholds.
+
+Loading is strict: an unknown key, a bad value, a duplicate YAML key or a reference to something
+that does not exist is an error whose message names the key, e.g.::
+
+    fleet config examples/fleet.yaml is invalid:
+      pools.interactive.replicas[0].url: URL scheme should be 'http' or 'https'
+      features.chat.class: unknown class 'fast' (known: batch, interactive)
+
+Example::
+
+    fleet = load_fleet("examples/fleet.yaml")
+    for pool in fleet.pools.values():
+        print(pool.name, [r.url for r in pool.replicas])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    UrlConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "AdapterSpec",
+    "AutoscalerSpec",
+    "ClassSpec",
+    "ExternalProviderSpec",
+    "FeatureSpec",
+    "FleetConfig",
+    "FleetConfigError",
+    "GateSpec",
+    "GatewaySpec",
+    "LaunchSpec",
+    "ModelSpec",
+    "PluginSpec",
+    "PoolKind",
+    "PoolSpec",
+    "ProfilePluginRef",
+    "ProfileSpec",
+    "ReplicaSpec",
+    "RouterSpec",
+    "TenantSpec",
+    "hash_api_key",
+    "load_fleet",
+    "parse_fleet",
+    "verify_api_key",
+]
+
+HttpUrl = Annotated[AnyHttpUrl, UrlConstraints(allowed_schemes=["http", "https"])]
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")]
+PoolKind = Literal["interactive", "batch", "spot", "long_context"]
+
+
+class FleetConfigError(ValueError):
+    """A fleet config that cannot be used; the message lists every offending key."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"fleet config {source} is invalid:\n{lines}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ModelSpec(_Strict):
+    """A base model the fleet serves."""
+
+    name: Name
+    max_model_len: int = Field(default=8192, gt=0, le=10_000_000)
+    embedding: bool = False
+
+
+class AdapterSpec(_Strict):
+    """A LoRA adapter that replicas may load at run time (``/v1/load_lora_adapter``)."""
+
+    name: Name
+    path: str = Field(min_length=1)
+    base_model: Name
+
+
+class LaunchSpec(_Strict):
+    """How ``tidal up`` starts a replica locally: a simulated one or a real vLLM process."""
+
+    kind: Literal["sim", "vllm"]
+    preset: str | None = None
+    model_dir: str | None = None
+    args: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> LaunchSpec:
+        if self.kind == "sim" and not self.preset:
+            raise ValueError("a sim launch needs 'preset'")
+        if self.kind == "vllm" and not self.model_dir:
+            raise ValueError("a vllm launch needs 'model_dir'")
+        return self
+
+
+class ReplicaSpec(_Strict):
+    """One replica: anything that speaks vLLM's OpenAI-compatible API and ``/metrics``."""
+
+    name: Name
+    url: HttpUrl
+    group: Name = "stable"
+    weight: float = Field(default=1.0, ge=0.0, le=1000.0)
+    max_loras: int = Field(default=0, ge=0, le=1024)
+    launch: LaunchSpec | None = None
+
+    @property
+    def base_url(self) -> str:
+        return str(self.url).rstrip("/")
+
+
+class AutoscalerSpec(_Strict):
+    """Per-pool autoscaling bounds and the capacity of one replica."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=8, ge=1)
+    capacity_rps_per_replica: float = Field(default=1.0, gt=0)
+    warm_buffer: float = Field(default=0.12, ge=0.0, le=1.0)
+    cold_start_s: float = Field(default=180.0, ge=0.0)
+    scale_down_stabilisation_s: float = Field(default=900.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalerSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+
+class PoolSpec(_Strict):
+    """A group of replicas serving one model for one kind of work.
+
+    ``shared: true`` on an interactive pool lets the batch tier borrow it through the ``shared``
+    lane while the scheduler's gate is open.
+    """
+
+    name: str = ""  # filled from the mapping key
+    kind: PoolKind
+    model: Name
+    shared: bool = False
+    replicas: list[ReplicaSpec] = Field(default_factory=list, max_length=4096)
+    max_inflight_per_replica: int = Field(default=64, ge=1, le=100_000)
+    min_inflight_per_replica: int = Field(default=4, ge=1, le=100_000)
+    batch_concurrency_per_replica: int = Field(default=256, ge=1, le=100_000)
+    autoscale: AutoscalerSpec | None = None
+
+    @model_validator(mode="after")
+    def _check_caps(self) -> PoolSpec:
+        if self.min_inflight_per_replica > self.max_inflight_per_replica:
+            raise ValueError("min_inflight_per_replica must not exceed max_inflight_per_replica")
+        return self
+
+
+class ClassSpec(_Strict):
+    """A priority class: how urgent, how long it may wait, how fast its tokens must be.
+
+    ``priority`` is vLLM's request priority: a smaller value is scheduled sooner.
+    """
+
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    wait_budget_s: float = Field(default=2.0, ge=0.0, le=3600.0)
+    tpot_slo_s: float = Field(default=0.05, gt=0.0, le=60.0)
+    ttft_slo_s: float = Field(default=1.0, gt=0.0, le=3600.0)
+
+
+class FeatureSpec(_Strict):
+    """A product feature calling the gateway (chat, rag, agent, ...) and its policy."""
+
+    class_: Name = Field(default="interactive", alias="class")
+    pool: Name | None = None
+    context_cap: int = Field(default=8192, gt=0, le=10_000_000)
+    long_context_threshold: int | None = Field(default=None, gt=0)
+    regulated: bool = False
+    pin_external: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> FeatureSpec:
+        if self.regulated and self.pin_external:
+            raise ValueError("a regulated feature cannot be pinned to the external provider")
+        if self.long_context_threshold is not None and self.long_context_threshold > self.context_cap:
+            raise ValueError("long_context_threshold must not exceed context_cap")
+        return self
+
+
+class ExternalProviderSpec(_Strict):
+    """An OpenAI-compatible provider that takes overflow (never for regulated features)."""
+
+    url: HttpUrl
+    api_key_env: str | None = None
+    model: str | None = None
+    timeout_s: float = Field(default=60.0, gt=0)
+
+
+class TenantSpec(_Strict):
+    """A tenant, its API keys (stored as ``sha256:<hex>`` hashes) and the features it may use."""
+
+    name: Name
+    key_hashes: list[str] = Field(default_factory=list)
+    features: list[Name] = Field(default_factory=list)
+    admin: bool = False
+
+    @field_validator("key_hashes")
+    @classmethod
+    def _check_hashes(cls, v: list[str]) -> list[str]:
+        for h in v:
+            algo, _, digest = h.partition(":")
+            if algo != "sha256" or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError("key hashes must look like 'sha256:<64 lowercase hex digits>'")
+        return v
+
+
+class GateSpec(_Strict):
+    """Batch-gate thresholds, with hysteresis (pause above, resume below for ``hold_s``)."""
+
+    queue_wait_p95_pause_s: float = Field(default=0.5, gt=0)
+    queue_wait_p95_resume_s: float = Field(default=0.1, ge=0)
+    kv_usage_pause: float = Field(default=0.9, gt=0, le=1.0)
+    kv_usage_resume: float = Field(default=0.7, ge=0, le=1.0)
+    hold_s: float = Field(default=10.0, ge=0)
+    sample_interval_s: float = Field(default=0.25, gt=0, le=0.25)
+
+    @model_validator(mode="after")
+    def _check(self) -> GateSpec:
+        if self.queue_wait_p95_resume_s > self.queue_wait_p95_pause_s:
+            raise ValueError("queue_wait_p95_resume_s must not exceed queue_wait_p95_pause_s")
+        if self.kv_usage_resume > self.kv_usage_pause:
+            raise ValueError("kv_usage_resume must not exceed kv_usage_pause")
+        return self
+
+
+class GatewaySpec(_Strict):
+    """Gateway limits: the bounded queue and request sizes."""
+
+    max_queue: int = Field(default=256, ge=0, le=1_000_000)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0, le=1024 * 1024 * 1024)
+    scrape_interval_s: float = Field(default=1.0, gt=0, le=60)
+    retry_before_first_token: bool = True
+
+
+class PluginSpec(_Strict):
+    """One router plugin instance: its registered type, an instance name, typed parameters."""
+
+    type: Name
+    name: Name | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class ProfilePluginRef(_Strict):
+    ref: Name
+    weight: float = Field(default=1.0, ge=0.0, le=1000.0)
+
+
+class ProfileSpec(_Strict):
+    name: Name
+    plugins: list[ProfilePluginRef] = Field(min_length=1)
+
+
+class RouterSpec(_Strict):
+    """Router plugins and the profiles that compose them; validated against the registry at start."""
+
+    plugins: list[PluginSpec] = Field(default_factory=list)
+    profiles: list[ProfileSpec] = Field(default_factory=list)
+    default_profile: Name | None = None
+
+
+class FleetConfig(_Strict):
+    """The whole fleet. Build it with :func:`load_fleet` or :func:`parse_fleet`."""
+
+    models: list[ModelSpec] = Field(min_length=1)
+    adapters: list[AdapterSpec] = Field(default_factory=list)
+    pools: dict[Name, PoolSpec] = Field(min_length=1)
+    classes: dict[Name, ClassSpec] = Field(
+        default_factory=lambda: {
+            "interactive": ClassSpec(priority=0, wait_budget_s=2.0, tpot_slo_s=0.05),
+            "batch": ClassSpec(priority=100, wait_budget_s=3600.0, tpot_slo_s=1.0, ttft_slo_s=3600.0),
+        }
+    )
+    features: dict[Name, FeatureSpec] = Field(default_factory=lambda: {"default": FeatureSpec()})
+    tenants: list[TenantSpec] = Field(default_factory=list)
+    external_provider: ExternalProviderSpec | None = None
+    gate: GateSpec = Field(default_factory=GateSpec)
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+
+    @model_validator(mode="after")
+    def _check_references(self) -> FleetConfig:
+        problems: list[str] = []
+        model_names = {m.name for m in self.models}
+        _dupes(problems, "models", [m.name for m in self.models])
+        _dupes(problems, "adapters", [a.name for a in self.adapters])
+        _dupes(problems, "tenants", [t.name for t in self.tenants])
+        for a in self.adapters:
+            if a.base_model not in model_names:
+                problems.append(f"adapters.{a.name}.base_model: unknown model '{a.base_model}'")
+        replica_names: list[str] = []
+        for name, pool in self.pools.items():
+            pool.name = name
+            if pool.model not in model_names:
+                problems.append(
+                    f"pools.{name}.model: unknown model '{pool.model}' (known: {_known(model_names)})"
+                )
+            replica_names += [r.name for r in pool.replicas]
+        _dupes(problems, "replica names", replica_names)
+        for fname, feat in self.features.items():
+            if feat.class_ not in self.classes:
+                problems.append(
+                    f"features.{fname}.class: unknown class '{feat.class_}' (known: {_known(self.classes)})"
+                )
+            if feat.pool is not None and feat.pool not in self.pools:
+                problems.append(
+                    f"features.{fname}.pool: unknown pool '{feat.pool}' (known: {_known(self.pools)})"
+                )
+            if feat.pin_external and self.external_provider is None:
+                problems.append(f"features.{fname}.pin_external: no external_provider is configured")
+        for i, tenant in enumerate(self.tenants):
+            for f in tenant.features:
+                if f != "*" and f not in self.features:
+                    problems.append(
+                        f"tenants[{i}].features: unknown feature '{f}' (known: {_known(self.features)})"
+                    )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # -- convenience lookups -------------------------------------------------------------------
+
+    def pools_of_kind(self, kind: PoolKind) -> list[PoolSpec]:
+        return [p for p in self.pools.values() if p.kind == kind]
+
+    def model(self, name: str) -> ModelSpec:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def adapter(self, name: str) -> AdapterSpec | None:
+        return next((a for a in self.adapters if a.name == name), None)
+
+    def all_replicas(self) -> list[tuple[PoolSpec, ReplicaSpec]]:
+        return [(p, r) for p in self.pools.values() for r in p.replicas]
+
+
+def _known(names: Any) -> str:
+    return ", ".join(sorted(names)) or "none"
+
+
+def _dupes(problems: list[str], what: str, names: list[str]) -> None:
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            problems.append(f"{what}: duplicate name '{n}'")
+        seen.add(n)
+
+
+# -- API keys ----------------------------------------------------------------------------------
+
+
+def hash_api_key(key: str) -> str:
+    """The stored form of an API key. Keys are random 32-byte tokens, so one SHA-256 suffices."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def verify_api_key(key: str, stored: str) -> bool:
+    return hmac.compare_digest(hash_api_key(key), stored)
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses duplicate mapping keys instead of keeping the last one."""
+
+
+def _construct_mapping(
+    loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False
+) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key '{key}'", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _format_error(err: Mapping[str, Any]) -> list[str]:
+    loc = _format_loc(tuple(err["loc"]))
+    if err["type"] == "extra_forbidden":
+        return [f"{loc}: unknown key"]
+    if err["type"] == "missing":
+        return [f"{loc}: required key is missing"]
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "value_error" and "; " in msg and loc == "(top level)":
+        return msg.split("; ")
+    # Pydantic puts union/function validator names into the location; drop them for readability.
+    return [f"{loc}: {msg}"]
+
+
+def parse_fleet(data: Any, source: str = "<data>") -> FleetConfig:
+    """Validate already-parsed YAML/JSON data as a fleet config."""
+    if not isinstance(data, Mapping):
+        raise FleetConfigError(source, ["(top level): expected a mapping"])
+    try:
+        return FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        problems: list[str] = []
+        for err in exc.errors():
+            problems += _format_error(err)
+        raise FleetConfigError(source, problems) from None
+
+
+def load_fleet(path: str | Path) -> FleetConfig:
+    """Read and strictly validate a fleet config file (YAML)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise FleetConfigError(str(p), [f"cannot read: {exc.strerror}"]) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        raise FleetConfigError(str(p), [f"not valid YAML: {exc}"]) from None
+    return parse_fleet(data, str(p))
