@@ -1,0 +1,51 @@
+"""Dependencies as ``Annotated`` aliases, so handlers read as typed parameters.
+
+Example::
+
+    @router.get("/v1/things")
+    async def list_things(state: StateDep, principal: PrincipalDep) -> ...
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from api.auth import Principal
+from api.errors import APIError
+from api.state import GatewayState
+
+__all__ = ["AdminDep", "PrincipalDep", "StateDep", "get_state", "require_admin", "require_principal"]
+
+
+def get_state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.tidal
+    return state
+
+
+StateDep = Annotated[GatewayState, Depends(get_state)]
+
+
+def require_principal(request: Request, state: StateDep) -> Principal:
+    """The caller, from ``Authorization: Bearer <key>``; 401 (OpenAI-shaped) otherwise."""
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+    principal = state.keys.lookup(key.strip())
+    if principal is None:
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(require_principal)]
+
+
+def require_admin(principal: PrincipalDep) -> Principal:
+    if not principal.admin:
+        raise APIError(403, "This endpoint needs an admin key.", code="admin_required")
+    return principal
+
+
+AdminDep = Annotated[Principal, Depends(require_admin)]

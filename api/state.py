@@ -1,0 +1,32 @@
+"""What one gateway process holds: the fleet, settings, keys, metrics and its services."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from api.auth import KeyStore
+from tidal.fleet import FleetConfig
+from tidal.settings import Settings
+
+__all__ = ["GatewayState", "LifecycleHook"]
+
+LifecycleHook = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class GatewayState:
+    """Shared by every request of one gateway process (``request.app.state.tidal``).
+
+    Services register ``on_startup``/``on_shutdown`` hooks (background scrapers, pools); the app's
+    lifespan runs them in order and shuts them down in reverse.
+    """
+
+    fleet: FleetConfig
+    settings: Settings
+    keys: KeyStore
+    metrics: CollectorRegistry = field(default_factory=CollectorRegistry)
+    on_startup: list[LifecycleHook] = field(default_factory=list)
+    on_shutdown: list[LifecycleHook] = field(default_factory=list)

@@ -1,0 +1,2 @@
+"""Priority classes and lanes, feature policies (context caps, class, pool), admission, and the
+RabbitMQ queue topology."""

@@ -1,0 +1,30 @@
+"""Everything about a replica: the HTTP client, ``/metrics`` parsing, the process launcher, the
+tiny-model builder for real vLLM on the CPU, and ``replicas.sim`` (the simulated replica)."""
+
+from replicas.client import ReplicaClient, UpstreamResponse, iter_sse_events
+from replicas.errors import (
+    ReplicaError,
+    ReplicaModelNotFound,
+    ReplicaRequestError,
+    ReplicaServerError,
+    ReplicaStreamError,
+    ReplicaTimeout,
+    ReplicaUnavailable,
+)
+from replicas.metrics import Histogram, LoadSnapshot, parse_load_snapshot
+
+__all__ = [
+    "Histogram",
+    "LoadSnapshot",
+    "ReplicaClient",
+    "ReplicaError",
+    "ReplicaModelNotFound",
+    "ReplicaRequestError",
+    "ReplicaServerError",
+    "ReplicaStreamError",
+    "ReplicaTimeout",
+    "ReplicaUnavailable",
+    "UpstreamResponse",
+    "iter_sse_events",
+    "parse_load_snapshot",
+]

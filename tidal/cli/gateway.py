@@ -1,0 +1,63 @@
+"""``tidal gateway``: the OpenAI-compatible gateway."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+__all__ = ["gateway"]
+
+
+@click.command()
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Fleet config (default: TIDAL_FLEET_CONFIG, else the embedded one).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option(
+    "--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on."
+)
+@click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Uvicorn worker processes (each holds its own router state).",
+)
+def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
+    """Serve the OpenAI-compatible API (chat, completions, embeddings, models, files, batches,
+    jobs) in front of the fleet, with /healthz and /metrics.
+
+    Example: tidal gateway --config fleet.yaml --port 8000
+    """
+    import uvicorn
+
+    from api import create_app
+    from tidal.defaults import DEFAULT_FLEET_PATH
+    from tidal.fleet import FleetConfigError, load_fleet
+    from tidal.settings import get_settings
+
+    settings = get_settings()
+    path = config or settings.fleet_config or DEFAULT_FLEET_PATH
+    try:
+        fleet = load_fleet(path)
+    except FleetConfigError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(1)
+    app = create_app(fleet, settings)
+    click.echo(f"gateway on http://{host}:{port} (fleet {path})")
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        workers=None if workers == 1 else workers,
+    )
