@@ -16,6 +16,8 @@ from fastapi import FastAPI
 
 from api.auth import KeyStore
 from api.errors import install_error_handlers
+from api.interactive import InteractiveService
+from api.limits import BodyLimit
 from api.routes import ROUTERS
 from api.state import GatewayState
 from tidal import __version__
@@ -32,6 +34,9 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
         fleet, admin_key=settings.admin_key, dev_key=os.environ.get("TIDAL_DEV_API_KEY")
     )
     state = GatewayState(fleet=fleet, settings=settings, keys=keys)
+    state.interactive = InteractiveService(fleet, settings, state.metrics)
+    state.on_startup.append(state.interactive.startup)
+    state.on_shutdown.append(state.interactive.shutdown)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,6 +56,7 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
     )
     app.state.tidal = state
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_body_bytes=fleet.gateway.max_body_bytes)
     for router in ROUTERS:
         app.include_router(router)
     return app

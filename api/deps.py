@@ -14,9 +14,19 @@ from fastapi import Depends, Request
 
 from api.auth import Principal
 from api.errors import APIError
+from api.interactive import InteractiveService
 from api.state import GatewayState
 
-__all__ = ["AdminDep", "PrincipalDep", "StateDep", "get_state", "require_admin", "require_principal"]
+__all__ = [
+    "AdminDep",
+    "InteractiveDep",
+    "PrincipalDep",
+    "StateDep",
+    "get_interactive",
+    "get_state",
+    "require_admin",
+    "require_principal",
+]
 
 
 def get_state(request: Request) -> GatewayState:
@@ -49,3 +59,12 @@ def require_admin(principal: PrincipalDep) -> Principal:
 
 
 AdminDep = Annotated[Principal, Depends(require_admin)]
+
+
+def get_interactive(state: StateDep) -> InteractiveService:
+    if state.interactive is None:
+        raise APIError(503, "The interactive path is not running in this gateway.", code="not_available")
+    return state.interactive
+
+
+InteractiveDep = Annotated[InteractiveService, Depends(get_interactive)]

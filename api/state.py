@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from api.auth import KeyStore
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
+
+if TYPE_CHECKING:
+    from api.interactive import InteractiveService
 
 __all__ = ["GatewayState", "LifecycleHook"]
 
@@ -30,3 +34,5 @@ class GatewayState:
     metrics: CollectorRegistry = field(default_factory=CollectorRegistry)
     on_startup: list[LifecycleHook] = field(default_factory=list)
     on_shutdown: list[LifecycleHook] = field(default_factory=list)
+    # The interactive path (api/interactive.py): registry, router, admission, proxy.
+    interactive: InteractiveService | None = None

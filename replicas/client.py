@@ -54,6 +54,12 @@ class UpstreamResponse:
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             raise ReplicaStreamError(f"stream from replica broke: {exc!r}", replica=self.replica) from exc
 
+    def abort(self) -> None:
+        """Close the connection now: a reader of :meth:`iter_chunks` gets a
+        :class:`~replicas.errors.ReplicaStreamError` and the replica sees the client go away
+        (vLLM then aborts the request)."""
+        self._resp.close()
+
     async def read(self) -> bytes:
         try:
             return await self._resp.read()

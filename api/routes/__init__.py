@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.routes import health
+from api.routes import admin, chat, completions, embeddings, health, models
 
 __all__ = ["ROUTERS"]
 
-ROUTERS: list[APIRouter] = [health.router]
+ROUTERS: list[APIRouter] = [
+    health.router,
+    chat.router,
+    completions.router,
+    embeddings.router,
+    models.router,
+    admin.router,
+]
