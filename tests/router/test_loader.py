@@ -170,3 +170,19 @@ def test_no_candidate_gives_none_and_exclude_works() -> None:
     assert router.route(RouteRequest("m"), [ReplicaView("a", model="m", healthy=False)]) is None
     result = router.route(RouteRequest("m"), VIEWS, exclude={"r0", "r1", "r2"})
     assert result is not None and result.replica.name == "r3"
+
+
+def test_fleet_check_reports_router_problems(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from click.testing import CliRunner
+
+    from tidal.cli import cli
+
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text(
+        "models: [{name: m}]\n"
+        "pools: {p: {kind: interactive, model: m}}\n"
+        "router: {plugins: [{type: magic-scorer}], profiles: [], default_profile: tidal}\n"
+    )
+    result = CliRunner().invoke(cli, ["fleet", "check", str(bad)])
+    assert result.exit_code == 1
+    assert "router.plugins[0].type: unknown type 'magic-scorer'" in result.output
