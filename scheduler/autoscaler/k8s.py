@@ -1,0 +1,133 @@
+"""Kubernetes actuator: a pool is a Deployment; scaling sets its ``scale`` subresource.
+
+Uses the official ``kubernetes`` client (the ``k8s`` extra): ``read_namespaced_deployment`` for
+what is ready, ``patch_namespaced_deployment_scale`` (a JSON merge patch of ``spec.replicas``)
+to scale, ``delete_namespaced_pod`` to replace a broken replica (a replica registered with the
+gateway under its pod name; the Deployment's ReplicaSet starts a new pod). The client is
+synchronous, so calls run in a worker thread.
+
+Needs RBAC ``get`` on ``deployments``, ``get``/``patch`` on ``deployments/scale`` and ``delete``
+on ``pods`` in the pool's namespace.
+
+Example::
+
+    actuator = KubernetesActuator({"interactive": KubernetesTargetSpec(deployment="vllm", namespace="llm")})
+    await actuator.scale("interactive", 6)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from scheduler.autoscaler.actuators import PoolReplicas
+from scheduler.signals import PoolLoad, ReplicaRegistry
+from tidal.fleet import KubernetesTargetSpec
+
+__all__ = ["KubernetesActuator", "load_kubernetes_configuration"]
+
+log = logging.getLogger(__name__)
+
+
+def load_kubernetes_configuration() -> Any:
+    """The in-cluster service account if running in a pod, else ``~/.kube/config``."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    return client.Configuration.get_default_copy()
+
+
+class KubernetesActuator:
+    """Scales Deployments (see the module docstring).
+
+    **Parameters:** ``targets`` -- the Deployment of each pool; ``configuration`` -- a
+    ``kubernetes.client.Configuration`` (default: :func:`load_kubernetes_configuration`);
+    ``registry`` -- if given, a replaced replica is first taken out of routing through it.
+    """
+
+    name = "kubernetes"
+
+    def __init__(
+        self,
+        targets: Mapping[str, KubernetesTargetSpec],
+        *,
+        configuration: Any = None,
+        registry: ReplicaRegistry | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        from kubernetes import client
+
+        self.targets = dict(targets)
+        self.registry = registry
+        self.timeout_s = timeout_s
+        self._api_client = client.ApiClient(configuration or load_kubernetes_configuration())
+        self._apps = client.AppsV1Api(self._api_client)
+        self._core = client.CoreV1Api(self._api_client)
+
+    def _target(self, pool: str) -> KubernetesTargetSpec:
+        try:
+            return self.targets[pool]
+        except KeyError:
+            raise KeyError(f"no Kubernetes deployment configured for pool {pool}") from None
+
+    async def observe(self, pool: str, load: PoolLoad | None) -> PoolReplicas:
+        t = self._target(pool)
+        dep = await asyncio.to_thread(
+            self._apps.read_namespaced_deployment, t.deployment, t.namespace, _request_timeout=self.timeout_s
+        )
+        wanted = int(dep.spec.replicas or 0)
+        ready = int((dep.status.ready_replicas if dep.status else 0) or 0)
+        return PoolReplicas(ready=ready, starting=max(0, wanted - ready))
+
+    async def current_scale(self, pool: str) -> int:
+        t = self._target(pool)
+        scale = await asyncio.to_thread(
+            self._apps.read_namespaced_deployment_scale,
+            t.deployment,
+            t.namespace,
+            _request_timeout=self.timeout_s,
+        )
+        return int((scale.spec.replicas if scale.spec else 0) or 0)
+
+    async def scale(self, pool: str, replicas: int) -> None:
+        t = self._target(pool)
+        if await self.current_scale(pool) == replicas:
+            return
+        await asyncio.to_thread(
+            self._apps.patch_namespaced_deployment_scale,
+            t.deployment,
+            t.namespace,
+            {"spec": {"replicas": int(replicas)}},
+            _content_type="application/merge-patch+json",
+            _request_timeout=self.timeout_s,
+        )
+        log.info("kubernetes: %s/%s scaled to %d", t.namespace, t.deployment, replicas)
+
+    async def replace(self, pool: str, replica: str) -> bool:
+        """Take the replica out of routing, then delete its pod; the ReplicaSet makes a new one."""
+        from kubernetes.client.exceptions import ApiException
+
+        t = self._target(pool)
+        if self.registry is not None:
+            try:
+                await self.registry.deregister(replica)
+            except Exception as exc:
+                log.warning("kubernetes: deregistering %s failed: %s", replica, exc)
+        try:
+            await asyncio.to_thread(
+                self._core.delete_namespaced_pod, replica, t.namespace, _request_timeout=self.timeout_s
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        log.info("kubernetes: pod %s/%s deleted for replacement", t.namespace, replica)
+        return True
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self._api_client.close)
