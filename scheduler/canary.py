@@ -225,11 +225,16 @@ class CanaryController:
 
     async def _run_eval(self) -> tuple[float, float]:
         assert self.evals is not None
-        base, can = await asyncio.gather(
-            self.evals.score(self.pool, self.spec.baseline_group),
-            self.evals.score(self.pool, self.spec.canary_group),
-        )
-        return base, can
+        evals = self.evals
+
+        async def both() -> tuple[float, float]:
+            base, can = await asyncio.gather(
+                evals.score(self.pool, self.spec.baseline_group),
+                evals.score(self.pool, self.spec.canary_group),
+            )
+            return base, can
+
+        return await asyncio.wait_for(both(), self.spec.eval_timeout_s)
 
     async def start(self) -> None:
         """Check both groups exist, give the canary its first share, start the evals."""
@@ -248,9 +253,7 @@ class CanaryController:
         self._step_started = self.clock.now()
         await self._apply(self.share)
         if self.evals is not None:
-            self._eval_task = asyncio.create_task(
-                asyncio.wait_for(self._run_eval(), self.spec.eval_timeout_s), name=f"canary-eval-{self.pool}"
-            )
+            self._eval_task = asyncio.create_task(self._run_eval(), name=f"canary-eval-{self.pool}")
 
     async def step(self) -> CanaryState:
         """Judge once; roll back, advance, promote, or keep waiting."""

@@ -104,8 +104,10 @@ class LoadReport:
         """Validate a decoded ``/admin/load`` body; raise :class:`SignalError` if it is not one."""
         if not isinstance(data, Mapping):
             raise SignalError("load report: expected an object")
-        pools_raw = data.get("pools") or {}
-        groups_raw = data.get("groups") or {}
+        pools_raw = data.get("pools")
+        groups_raw = data.get("groups")
+        pools_raw = {} if pools_raw is None else pools_raw
+        groups_raw = {} if groups_raw is None else groups_raw
         if not isinstance(pools_raw, Mapping) or not isinstance(groups_raw, Mapping):
             raise SignalError("load report: 'pools' and 'groups' must be objects")
         if len(pools_raw) > _MAX_NAMES or len(groups_raw) > _MAX_NAMES:

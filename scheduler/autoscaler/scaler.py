@@ -114,6 +114,9 @@ class Autoscaler:
         desired = min(spec.max_replicas, max(spec.min_replicas, decision.replicas))
 
         mono = self.clock.now()
+        if self.target is None:
+            # What runs at start counts as a recent answer: a restart must not shrink the pool at once.
+            self._window.append((mono, seen.total))
         self._window.append((mono, desired))
         while self._window and mono - self._window[0][0] > spec.scale_down_stabilisation_s:
             self._window.popleft()
