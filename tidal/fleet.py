@@ -154,10 +154,12 @@ class ScheduledEventSpec(_Strict):
 
 
 class KubernetesTargetSpec(_Strict):
-    """The Deployment whose ``scale`` subresource the Kubernetes actuator sets for a pool."""
+    """The Deployment whose ``scale`` subresource the Kubernetes actuator sets for a pool; its
+    ready pods are registered with the gateway as ``http://<pod IP>:<port>``."""
 
     deployment: Name
     namespace: Name = "default"
+    port: int = Field(default=8000, ge=1, le=65535)
 
 
 class AutoscalerSpec(_Strict):

@@ -2,16 +2,22 @@
 
 Uses the official ``kubernetes`` client (the ``k8s`` extra): ``read_namespaced_deployment`` for
 what is ready, ``patch_namespaced_deployment_scale`` (a JSON merge patch of ``spec.replicas``)
-to scale, ``delete_namespaced_pod`` to replace a broken replica (a replica registered with the
-gateway under its pod name; the Deployment's ReplicaSet starts a new pod). The client is
-synchronous, so calls run in a worker thread.
+to scale, ``delete_namespaced_pod`` to replace a broken replica (the ReplicaSet starts a new pod).
+The client is synchronous, so calls run in a worker thread.
 
-Needs RBAC ``get`` on ``deployments``, ``get``/``patch`` on ``deployments/scale`` and ``delete``
-on ``pods`` in the pool's namespace.
+With a ``registry`` (the gateway admin API), every observation also keeps routing in step with
+the pods: each **ready** pod of the Deployment is registered as ``<pod name>`` at
+``http://<pod IP>:<port>``; a registered replica named like the Deployment's pods
+(``<deployment>-...``) whose pod is gone or not ready is deregistered (the gateway drains it).
+Replicas listed in the fleet config are never touched.
+
+Needs RBAC ``get`` on ``deployments``, ``get``/``patch`` on ``deployments/scale`` and
+``list``/``delete`` on ``pods`` in the pool's namespace (``deploy/k8s/tidal.yaml``).
 
 Example::
 
-    actuator = KubernetesActuator({"interactive": KubernetesTargetSpec(deployment="vllm", namespace="llm")})
+    actuator = KubernetesActuator({"interactive": KubernetesTargetSpec(deployment="vllm", namespace="llm")},
+                                  registry=gateway_admin)
     await actuator.scale("interactive", 6)
 """
 
@@ -47,7 +53,8 @@ class KubernetesActuator:
 
     **Parameters:** ``targets`` -- the Deployment of each pool; ``configuration`` -- a
     ``kubernetes.client.Configuration`` (default: :func:`load_kubernetes_configuration`);
-    ``registry`` -- if given, a replaced replica is first taken out of routing through it.
+    ``registry`` -- if given, ready pods are registered with the gateway and gone ones
+    deregistered (see the module docstring); a replaced replica is deregistered first.
     """
 
     name = "kubernetes"
@@ -80,9 +87,42 @@ class KubernetesActuator:
         dep = await asyncio.to_thread(
             self._apps.read_namespaced_deployment, t.deployment, t.namespace, _request_timeout=self.timeout_s
         )
-        wanted = int(dep.spec.replicas or 0)
+        wanted = int((dep.spec.replicas if dep.spec else 0) or 0)
         ready = int((dep.status.ready_replicas if dep.status else 0) or 0)
+        if self.registry is not None:
+            labels = dep.spec.selector.match_labels if dep.spec and dep.spec.selector else None
+            if labels:
+                await self._sync_routing(pool, t, labels)
         return PoolReplicas(ready=ready, starting=max(0, wanted - ready))
+
+    async def _sync_routing(self, pool: str, t: KubernetesTargetSpec, labels: Mapping[str, str]) -> None:
+        assert self.registry is not None
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        pods = await asyncio.to_thread(
+            self._core.list_namespaced_pod,
+            t.namespace,
+            label_selector=selector,
+            _request_timeout=self.timeout_s,
+        )
+        serving: dict[str, str] = {}
+        for pod in pods.items:
+            name = pod.metadata.name if pod.metadata else None
+            ip = pod.status.pod_ip if pod.status else None
+            if not name or not ip or (pod.metadata and pod.metadata.deletion_timestamp):
+                continue
+            conditions = (pod.status.conditions if pod.status else None) or []
+            if any(c.type == "Ready" and c.status == "True" for c in conditions):
+                host = f"[{ip}]" if ":" in ip else ip
+                serving[name] = f"http://{host}:{t.port}"
+        registered = {v.name for v in await self.registry.replicas() if v.pool == pool}
+        for name, url in serving.items():
+            if name not in registered:
+                await self.registry.register(name, url, pool)
+                log.info("kubernetes: pod %s ready at %s, registered in pool %s", name, url, pool)
+        for name in registered:
+            if name.startswith(f"{t.deployment}-") and name not in serving:
+                await self.registry.deregister(name)
+                log.info("kubernetes: pod %s gone or not ready, deregistered", name)
 
     async def current_scale(self, pool: str) -> int:
         t = self._target(pool)

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from scheduler.signals import ReplicaView
 from tests.services import require_module
 from tidal.fleet import KubernetesTargetSpec
 
@@ -26,7 +27,12 @@ TOKEN = "k8s-test-token"
 class FakeApiServer:
     def __init__(self) -> None:
         self.deployments: dict[tuple[str, str], dict[str, int]] = {("llm", "vllm"): {"spec": 2, "ready": 2}}
-        self.pods = {("llm", "vllm-abc"), ("llm", "vllm-def")}
+        # (namespace, pod name) -> (pod IP, ready)
+        self.pods: dict[tuple[str, str], tuple[str, bool]] = {
+            ("llm", "vllm-abc"): ("10.0.0.5", True),
+            ("llm", "vllm-def"): ("10.0.0.6", True),
+        }
+        self.selectors: list[str] = []
         self.patches: list[tuple[str, Any]] = []
         app = web.Application(middlewares=[self._auth])
         base = "/apis/apps/v1/namespaces/{ns}/deployments/{name}"
@@ -34,6 +40,7 @@ class FakeApiServer:
         app.router.add_get(base + "/scale", self._get_scale)
         app.router.add_patch(base + "/scale", self._patch_scale)
         app.router.add_delete("/api/v1/namespaces/{ns}/pods/{name}", self._delete_pod)
+        app.router.add_get("/api/v1/namespaces/{ns}/pods", self._list_pods)
         self.server = TestServer(app, host="127.0.0.1")
 
     @web.middleware
@@ -112,11 +119,30 @@ class FakeApiServer:
         d["spec"] = int(body["spec"]["replicas"])
         return self._scale(ns, name, d)
 
+    async def _list_pods(self, request: web.Request) -> web.Response:
+        ns = request.match_info["ns"]
+        selector = request.query.get("labelSelector", "")
+        self.selectors.append(selector)
+        items = [
+            {
+                "metadata": {"name": name, "namespace": ns, "labels": {"app": "vllm"}},
+                "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
+                "status": {
+                    "phase": "Running",
+                    "podIP": ip,
+                    "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                },
+            }
+            for (pns, name), (ip, ready) in sorted(self.pods.items())
+            if pns == ns and selector == "app=vllm"
+        ]
+        return web.json_response({"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items})
+
     async def _delete_pod(self, request: web.Request) -> web.Response:
         key = (request.match_info["ns"], request.match_info["name"])
         if key not in self.pods:
             return self._status(404, "NotFound", f'pods "{key[1]}" not found')
-        self.pods.discard(key)
+        del self.pods[key]
         # Like the API server: the deleted pod, now carrying a deletion timestamp.
         return web.json_response(
             {
@@ -142,7 +168,26 @@ async def api_server() -> AsyncIterator[FakeApiServer]:
     await server.server.close()
 
 
-def actuator(server: FakeApiServer, token: str = TOKEN) -> Any:
+class Registry:
+    def __init__(self) -> None:
+        self.views: dict[str, ReplicaView] = {
+            "static-0": ReplicaView("static-0", "http://10.9.9.9:8000", "interactive")
+        }
+
+    async def replicas(self) -> list[ReplicaView]:
+        return list(self.views.values())
+
+    async def register(self, name: str, url: str, pool: str, **_: Any) -> None:
+        self.views[name] = ReplicaView(name, url, pool)
+
+    async def update(self, name: str, **_: Any) -> None:
+        pass
+
+    async def deregister(self, name: str) -> None:
+        self.views.pop(name, None)
+
+
+def actuator(server: FakeApiServer, token: str = TOKEN, registry: Registry | None = None) -> Any:
     from kubernetes import client
 
     from scheduler.autoscaler.k8s import KubernetesActuator
@@ -156,6 +201,7 @@ def actuator(server: FakeApiServer, token: str = TOKEN) -> Any:
             "ghost": KubernetesTargetSpec(deployment="none"),
         },
         configuration=config,
+        registry=registry,
     )
 
 
@@ -180,11 +226,27 @@ async def test_scaling_a_deployment_through_the_scale_subresource(api_server: Fa
         await act.aclose()
 
 
-async def test_replacing_a_replica_deletes_its_pod(api_server: FakeApiServer) -> None:
-    act = actuator(api_server)
+async def test_ready_pods_are_registered_and_gone_ones_deregistered(api_server: FakeApiServer) -> None:
+    registry = Registry()
+    act = actuator(api_server, registry=registry)
     try:
+        # Given two ready pods; when the actuator observes the pool, both are routed to
+        await act.observe("interactive", None)
+        assert api_server.selectors == ["app=vllm"]
+        assert {n: v.url for n, v in registry.views.items()} == {
+            "static-0": "http://10.9.9.9:8000",
+            "vllm-abc": "http://10.0.0.5:8000",
+            "vllm-def": "http://10.0.0.6:8000",
+        }
+        # When one pod stops being ready and a new one becomes ready
+        api_server.pods[("llm", "vllm-def")] = ("10.0.0.6", False)
+        api_server.pods[("llm", "vllm-ghi")] = ("10.0.0.7", True)
+        await act.observe("interactive", None)
+        # Then routing follows; the replica from the fleet config is left alone
+        assert set(registry.views) == {"static-0", "vllm-abc", "vllm-ghi"}
+        # When a replica is replaced, it leaves routing and its pod is deleted
         assert await act.replace("interactive", "vllm-abc")
-        assert ("llm", "vllm-abc") not in api_server.pods
+        assert ("llm", "vllm-abc") not in api_server.pods and "vllm-abc" not in registry.views
         assert not await act.replace("interactive", "vllm-abc")
     finally:
         await act.aclose()
