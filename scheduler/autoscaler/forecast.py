@@ -1,8 +1,8 @@
 """Predictive load: a rate learned by hour of week from history, plus a calendar of known events.
 
-:class:`HourOfWeekProfile` keeps, for each of the 168 hours of a week, the per-minute request
-rates of the last few weeks and predicts a high quantile of them (so the top of the hour is
-covered, and a one-off spike in the history does not become a weekly habit).
+:class:`HourOfWeekProfile` keeps, for each of the 168 hours of a week, a high quantile of the
+per-minute request rates of each of its last few occurrences, and predicts their median (so the
+top of the hour is covered, and one unusual week does not become a weekly habit).
 :class:`EventCalendar` knows what history cannot: a sale or a cricket match next Saturday.
 :class:`Forecaster` combines them into the peak rate expected over a time window, which is what
 a scale decision needs: the load that will arrive before a replica started now is ready.
@@ -51,9 +51,13 @@ def _quantile(values: Sequence[float], q: float) -> float:
 class HourOfWeekProfile:
     """Request rate by hour of week, learned from observations (bounded memory).
 
-    **Parameters:** ``quantile`` -- which quantile of an hour's per-minute rates to predict
-    (0.9); ``weeks`` -- how many weeks of each hour to remember; ``resolution_s`` -- samples are
-    averaged into bins of this length before they are stored; ``utc_offset_s`` -- local time.
+    Each time an hour of the week ends, its high quantile (``quantile`` of its per-bin mean
+    rates) is stored for that hour; the prediction is the **median over the last ``weeks``
+    occurrences** of the hour, so one unusual week (a viral spike, an outage) does not move it.
+
+    **Parameters:** ``quantile`` -- which quantile of an hour's rates stands for it (0.9: the top
+    of the hour is covered); ``weeks`` -- occurrences remembered per hour; ``resolution_s`` --
+    samples are averaged into bins of this length first; ``utc_offset_s`` -- local time.
     """
 
     def __init__(
@@ -72,47 +76,68 @@ class HourOfWeekProfile:
         self.weeks = weeks
         self.resolution_s = resolution_s
         self.utc_offset_s = utc_offset_s
-        per_bucket = weeks * max(1, round(HOUR_S / resolution_s))
-        self._buckets: list[deque[float]] = [deque(maxlen=per_bucket) for _ in range(WEEK_HOURS)]
+        self._buckets: list[deque[float]] = [deque(maxlen=weeks) for _ in range(WEEK_HOURS)]
         self._cache: list[float | None] = [None] * WEEK_HOURS
         self._bin: int | None = None
         self._bin_sum = 0.0
         self._bin_n = 0
+        self._hour: int | None = None  # absolute hour number of the occurrence being collected
+        self._hour_bins: list[float] = []
+        self._closed_upto = -(2**62)  # the last bin already stored; earlier samples are late
 
     def observe(self, t: float, rps: float) -> None:
-        """Add one observation; bins are stored when time moves past them (late samples are dropped)."""
+        """Add one observation; bins and hours are closed when time moves past them (late samples are dropped)."""
         if not math.isfinite(rps) or rps < 0 or not math.isfinite(t):
             return
         b = math.floor(t / self.resolution_s)
-        if self._bin is not None and b < self._bin:
+        if (self._bin is not None and b < self._bin) or (self._bin is None and b <= self._closed_upto):
             return
         if self._bin is not None and b != self._bin:
-            self._flush()
+            self._close_bin()
+            hour = math.floor((b * self.resolution_s + self.utc_offset_s) / HOUR_S)
+            if self._hour is not None and hour != self._hour:
+                self._close_hour()
         self._bin = b
         self._bin_sum += rps
         self._bin_n += 1
 
-    def _flush(self) -> None:
+    def _close_bin(self) -> None:
         if self._bin is None or self._bin_n == 0:
             return
-        h = hour_of_week(self._bin * self.resolution_s, self.utc_offset_s)
-        self._buckets[h].append(self._bin_sum / self._bin_n)
-        self._cache[h] = None
+        hour = math.floor((self._bin * self.resolution_s + self.utc_offset_s) / HOUR_S)
+        if self._hour is not None and hour != self._hour:
+            self._close_hour()
+        self._hour = hour
+        self._hour_bins.append(self._bin_sum / self._bin_n)
         self._bin_sum, self._bin_n = 0.0, 0
+        self._closed_upto = max(self._closed_upto, self._bin)
+
+    def _close_hour(self) -> None:
+        if self._hour is None or not self._hour_bins:
+            return
+        h = int((self._hour + _EPOCH_HOUR_OF_WEEK) % WEEK_HOURS)
+        self._buckets[h].append(_quantile(self._hour_bins, self.quantile))
+        self._cache[h] = None
+        self._hour_bins = []
 
     def fit(self, history: Iterable[tuple[float, float]]) -> HourOfWeekProfile:
-        """Learn from ``(unix_s, requests_per_s)`` pairs in time order; returns ``self``."""
+        """Learn from ``(unix_s, requests_per_s)`` pairs in time order; returns ``self``.
+
+        The last (possibly partial) hour is stored too, so ``fit`` on whole hours learns them all.
+        """
         for t, rps in history:
             self.observe(t, rps)
-        self._flush()
+        self._close_bin()
+        self._close_hour()
         self._bin = None
+        self._hour = None
         return self
 
     def predict_hour(self, hour: int) -> float | None:
         """The learned rate of one hour of the week, or ``None`` if it was never observed."""
         cached = self._cache[hour]
         if cached is None and self._buckets[hour]:
-            cached = self._cache[hour] = _quantile(self._buckets[hour], self.quantile)
+            cached = self._cache[hour] = _quantile(self._buckets[hour], 0.5)
         return cached
 
     def predict(self, t: float) -> float | None:
@@ -123,7 +148,7 @@ class HourOfWeekProfile:
         return sum(1 for b in self._buckets if b)
 
     def to_json(self) -> dict[str, Any]:
-        """Everything learned, for the scheduler to persist across restarts."""
+        """Everything learned (one value per hour occurrence), for the scheduler to persist."""
         return {
             "quantile": self.quantile,
             "weeks": self.weeks,
@@ -192,6 +217,10 @@ class EventCalendar:
 
     def overlapping(self, start: float, end: float) -> list[ScheduledEvent]:
         return [e for e in self.events if e.overlaps(start, end)]
+
+    def active(self, t: float) -> bool:
+        """An event is under way (its lead time does not count): its load is not a usual week's."""
+        return any(e.start <= t < e.end for e in self.events)
 
 
 class Forecaster:

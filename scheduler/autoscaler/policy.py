@@ -6,7 +6,8 @@ down over the stabilisation window, bounds, the actuator). Policies register by 
 :data:`POLICIES` and parse their parameters strictly (unknown or bad ones fail at start).
 
 ``reactive`` -- what HPA/KEDA on serving metrics do: replicas for the load seen now, plus a step
-up while TTFT p95, queue wait p95 or KV usage breach their targets. No forecast, no buffer.
+up while TTFT p95, queue wait p95 or KV usage breach their targets (KV usage only while the pool
+is not lent to batch, whose sequences fill the cache at low priority). No forecast, no buffer.
 Config::
 
     autoscale: {policy: reactive, parameters: {target_ttft_p95_s: 1.0, breach_step: 0.25}}
@@ -54,6 +55,9 @@ class ScaleInput:
     load: PoolLoad | None
     capacity_rps: float  # requests/s one replica serves within the latency targets
     forecast: Callable[[float, float], float | None] = field(default=lambda a, b: None)
+    # True while the batch gate lends the pool to batch: its KV usage then includes batch
+    # sequences (low priority, preempted first), so it says nothing about interactive pressure.
+    lent_to_batch: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +96,7 @@ def _replicas_for(rps: float, capacity_rps: float) -> int:
     return max(0, math.ceil(rps / capacity_rps - 1e-9))
 
 
-def _breach(load: PoolLoad | None, p: _Params) -> list[str]:
+def _breach(load: PoolLoad | None, p: _Params, lent_to_batch: bool) -> list[str]:
     if load is None:
         return []
     out = []
@@ -100,7 +104,7 @@ def _breach(load: PoolLoad | None, p: _Params) -> list[str]:
         out.append(f"TTFT p95 {load.ttft_p95_s:.2f}s > {p.target_ttft_p95_s}s")
     if load.queue_wait_p95_s > p.target_queue_wait_p95_s:
         out.append(f"queue wait p95 {load.queue_wait_p95_s:.2f}s > {p.target_queue_wait_p95_s}s")
-    if load.kv_cache_usage_max > p.kv_usage_high:
+    if load.kv_cache_usage_max > p.kv_usage_high and not lent_to_batch:
         out.append(f"KV usage {load.kv_cache_usage_max:.2f} > {p.kv_usage_high}")
     return out
 
@@ -130,7 +134,7 @@ class ReactivePolicy:
         p = self.params
         rps = inp.load.requests_per_s if inp.load is not None else 0.0
         demand = _replicas_for(rps, inp.capacity_rps * p.target_utilisation)
-        breaches = _breach(inp.load, p)
+        breaches = _breach(inp.load, p, inp.lent_to_batch)
         want = demand
         reason = f"{rps:.1f} rps needs {demand}"
         if breaches:
@@ -177,7 +181,7 @@ class TidalPolicy:
         reason = (
             f"forecast {predicted:.1f} rps -> {predictive}, " if predicted is not None else "no forecast, "
         ) + f"observed {rps:.1f} rps -> {reactive} (buffer {buffer:.0%})"
-        breaches = _breach(inp.load, p)
+        breaches = _breach(inp.load, p, inp.lent_to_batch)
         if breaches:
             bump = _step_up(inp.ready, p.breach_step)
             if bump > want:

@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler.autoscaler.actuators import Actuator
@@ -74,6 +74,7 @@ class Autoscaler:
         forecaster: Forecaster | None = None,
         metrics: SchedulerMetrics | None = None,
         learn: bool = True,
+        lent_to_batch: Callable[[str], bool] | None = None,
     ) -> None:
         self.pool = pool
         self.spec = spec
@@ -84,6 +85,8 @@ class Autoscaler:
         self.forecaster = forecaster or Forecaster()
         self.metrics = metrics or SchedulerMetrics()
         self.learn = learn
+        # Whether the pool is lent to batch right now (the batch gate is open), if known.
+        self.lent_to_batch = lent_to_batch or (lambda pool: False)
         self.target: int | None = None
         self._window: deque[tuple[float, int]] = deque()
         self._sent: int | None = None
@@ -95,8 +98,15 @@ class Autoscaler:
         """One decision at wall time ``now`` (Unix seconds) with the pool's current load."""
         spec = self.spec
         seen = await self.actuator.observe(self.pool, load)
-        if self.learn and load is not None and self.forecaster.profile is not None:
-            self.forecaster.profile.observe(now, load.requests_per_s)
+        profile = self.forecaster.profile
+        # An event's load is the calendar's business; learning it would count it twice.
+        if (
+            self.learn
+            and load is not None
+            and profile is not None
+            and not self.forecaster.calendar.active(now)
+        ):
+            profile.observe(now, load.requests_per_s)
         cap = self.capacity.capacity_rps(self.pool)
         inp = ScaleInput(
             pool=self.pool,
@@ -107,6 +117,7 @@ class Autoscaler:
             load=load,
             capacity_rps=cap,
             forecast=self._forecast,
+            lent_to_batch=self.lent_to_batch(self.pool),
         )
         t0 = time.perf_counter()
         decision = self.policy.decide(inp)

@@ -91,3 +91,18 @@ def test_the_registry_builds_policies_strictly() -> None:
     for name, params, message in bad:
         with pytest.raises(ValueError, match=message):
             make_policy(name, params)
+
+
+def test_kv_usage_is_no_breach_while_the_pool_is_lent_to_batch() -> None:
+    # Batch sequences fill the KV cache at low priority; only the users' own signals count then.
+    from dataclasses import replace
+
+    case = inp(4.0, ready=8, kv=0.95)
+    for policy in (ReactivePolicy(), TidalPolicy()):
+        assert policy.decide(case).replicas == 10
+        lent = policy.decide(replace(case, lent_to_batch=True))
+        assert lent.replicas < 10 and lent.trough
+        assert (
+            policy.decide(replace(case, lent_to_batch=True, load=PoolLoad(4.0, ttft_p95_s=3.0))).replicas
+            >= 10
+        )
