@@ -47,7 +47,13 @@ class _One:
         self._headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
 
     async def call(
-        self, method: str, path: str, body: Any = None, *, ok_statuses: tuple[int, ...] = ()
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        ok_statuses: tuple[int, ...] = (),
+        timeout: float | None = None,
     ) -> Any:
         data = json.dumps(body).encode() if body is not None else None
         headers = dict(self._headers)
@@ -55,7 +61,10 @@ class _One:
             headers["Content-Type"] = "application/json"
         url = self.base_url + path
         try:
-            async with self._session.request(method, url, data=data, headers=headers) as resp:
+            req_timeout = aiohttp.ClientTimeout(total=timeout) if timeout is not None else None
+            async with self._session.request(
+                method, url, data=data, headers=headers, timeout=req_timeout
+            ) as resp:
                 raw = await resp.content.read(_MAX_BODY + 1)
                 if len(raw) > _MAX_BODY:
                     raise GatewayError(f"{method} {url}: answer larger than {_MAX_BODY} bytes", resp.status)
@@ -201,9 +210,12 @@ class GatewayAdmin:
             raise GatewayError(f"/admin/replicas: {exc}") from exc
         return list(merged.values())
 
-    async def _write_all(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = ()) -> None:
+    async def _write_all(
+        self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (), timeout: float | None = None
+    ) -> None:
         results = await asyncio.gather(
-            *(g.call(method, path, body, ok_statuses=ok) for g in self._all()), return_exceptions=True
+            *(g.call(method, path, body, ok_statuses=ok, timeout=timeout) for g in self._all()),
+            return_exceptions=True,
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -253,6 +265,11 @@ class GatewayAdmin:
             return
         await self._write_all("PATCH", f"/admin/replicas/{quote(name, safe='')}", body)
 
-    async def deregister(self, name: str) -> None:
-        """``DELETE /admin/replicas/{name}`` (the gateway drains it first); unknown names are fine."""
-        await self._write_all("DELETE", f"/admin/replicas/{quote(name, safe='')}", ok=(404,))
+    async def deregister(self, name: str, *, drain_timeout_s: float = 30.0) -> None:
+        """``DELETE /admin/replicas/{name}``: the gateway drains it first, for up to ``drain_timeout_s``.
+
+        Returns when every gateway removed it (200) or will once its last request ends (202);
+        an unknown name (404) is fine.
+        """
+        path = f"/admin/replicas/{quote(name, safe='')}?timeout_s={drain_timeout_s:g}"
+        await self._write_all("DELETE", path, ok=(404,), timeout=drain_timeout_s + 5.0)
