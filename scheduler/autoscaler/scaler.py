@@ -215,7 +215,12 @@ class AutoscalerLoop:
             return []
         steps = []
         for s in self.scalers:
-            step = await s.step(report.time, report.pools.get(s.pool))
+            try:
+                step = await s.step(report.time, report.pools.get(s.pool))
+            except Exception as exc:  # e.g. the actuator cannot observe: this pool holds, the others go on
+                s.metrics.actuator_errors.labels(s.pool, s.actuator.name).inc()
+                log.warning("autoscaler %s: step failed, holding: %s", s.pool, exc)
+                continue
             self.last[s.pool] = step
             steps.append(step)
         return steps

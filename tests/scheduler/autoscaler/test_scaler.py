@@ -216,3 +216,33 @@ async def test_the_loop_learns_the_profile_from_the_gateway_time_and_holds_witho
     assert loop.last["interactive"].ready == 3
     src.down = True
     assert await loop.step() == []
+
+
+async def test_a_pool_whose_actuator_cannot_observe_holds_while_the_others_scale() -> None:
+    clock = ManualClock()
+
+    class Broken(ColdStartPool):
+        async def observe(self, pool: str, load: PoolLoad | None) -> PoolReplicas:
+            raise ConnectionError("API server unreachable")
+
+    good = scaler(clock, ColdStartPool(clock, ready=2))
+    bad = Autoscaler(
+        "batch",
+        SPEC,
+        make_policy("reactive"),
+        capacity=StaticCapacity({"batch": 1.0}),
+        actuator=Broken(clock, ready=2),
+        clock=clock,
+        metrics=good.metrics,
+    )
+
+    class Source:
+        async def load(self) -> LoadReport:
+            return LoadReport(
+                0.0, {"interactive": PoolLoad(requests_per_s=5.0), "batch": PoolLoad(requests_per_s=5.0)}
+            )
+
+    steps = await AutoscalerLoop([bad, good], source=Source(), clock=clock).step()
+    assert [s.pool for s in steps] == ["interactive"] and steps[0].target == 5
+    labels = {"pool": "batch", "actuator": "memory"}
+    assert good.metrics.registry.get_sample_value("tidal_autoscaler_actuator_errors_total", labels) == 1
