@@ -105,6 +105,7 @@ class ProxyJob:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     client_gone: bool = False
     sent: bool = False
+    prefilled: bool = False
     handle: UpstreamHandle | None = None
     waiter: asyncio.Future[str] | None = None
 
@@ -315,7 +316,7 @@ class Proxy:
             state = self.registry.get(result.replica.name) if result is not None else None
             if state is None or not isinstance(state.client, ReplicaClient):
                 break
-            self.registry.acquire(state, job.adapter)
+            self.registry.acquire(state, job.adapter, job.plan.prompt_tokens)
             if not started:
                 self.admission.started(ticket)
                 started = True
@@ -375,6 +376,7 @@ class Proxy:
         the client (the caller may retry), else ``None`` (a response, good or bad, was sent)."""
         handle = UpstreamHandle()
         job.handle = handle
+        job.prefilled = False
         state = target.state
         if state is not None:
             state.handles.add(handle)
@@ -454,7 +456,13 @@ class Proxy:
             job.handle = None
             if state is not None:
                 state.handles.discard(handle)
-                self.registry.release(state, adapter=job.adapter, tpot_s=tpot, failed=failed)
+                self.registry.release(
+                    state,
+                    adapter=job.adapter,
+                    tpot_s=tpot,
+                    failed=failed,
+                    pending_prompt_tokens=0 if job.prefilled else job.plan.prompt_tokens,
+                )
                 self.admission.completed(state.pool)
                 self.metrics.request_done(state.pool, state.group, failed=failed)
                 if tpot is not None:
@@ -480,6 +488,9 @@ class Proxy:
         if kind is None and not buffered:
             raise ReplicaStreamError("the replica closed the stream without output", replica=target.name)
         t_first = self.clock.now()
+        if target.state is not None and not job.prefilled:
+            job.prefilled = True  # its prompt no longer counts as prefill work queued there
+            self.registry.first_token(target.state, job.plan.prompt_tokens)
         await send(
             {
                 "type": "http.response.start",

@@ -54,6 +54,7 @@ class ReplicaState:
     healthy: bool = True
     draining: bool = False
     inflight: int = 0
+    prefill_tokens: int = 0  # prompt tokens of in-flight requests without a first token yet
     snapshot: LoadSnapshot | None = None
     snapshot_at: float | None = None
     adapters: dict[str, float] = field(default_factory=dict)  # adapter -> last use (LRU order)
@@ -87,6 +88,7 @@ class ReplicaState:
             snapshot_age_s=now - self.snapshot_at if self.snapshot_at is not None else float("inf"),
             loaded_adapters=adapters,
             max_loras=self.max_loras,
+            prefill_tokens=self.prefill_tokens,
         )
 
 
@@ -172,14 +174,21 @@ class ReplicaRegistry:
 
     # -- what the proxy and the scraper write ------------------------------------------------------
 
-    def acquire(self, state: ReplicaState, adapter: str | None = None) -> None:
+    def acquire(self, state: ReplicaState, adapter: str | None = None, prompt_tokens: int = 0) -> None:
+        """A request starts on ``state``; its ``prompt_tokens`` count as pending prefill until
+        :meth:`first_token` (or :meth:`release`) says otherwise."""
         state.inflight += 1
+        state.prefill_tokens += prompt_tokens
         state.requests += 1
         state.cap.note_inflight(state.inflight)
         if adapter is not None:
             state.adapter_inflight[adapter] += 1
             if adapter in state.adapters:  # LRU touch; loading is the adapter manager's job
                 state.adapters[adapter] = self.clock.now()
+
+    def first_token(self, state: ReplicaState, prompt_tokens: int) -> None:
+        """The request's prefill is done: its prompt no longer counts as pending work."""
+        state.prefill_tokens = max(0, state.prefill_tokens - prompt_tokens)
 
     def release(
         self,
@@ -188,8 +197,11 @@ class ReplicaRegistry:
         adapter: str | None = None,
         tpot_s: float | None = None,
         failed: bool = False,
+        pending_prompt_tokens: int = 0,
     ) -> None:
+        """A request ended; ``pending_prompt_tokens`` is its prompt if it never got a first token."""
         state.inflight = max(0, state.inflight - 1)
+        state.prefill_tokens = max(0, state.prefill_tokens - pending_prompt_tokens)
         if failed:
             state.errors += 1
         if adapter is not None:

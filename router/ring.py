@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-__all__ = ["BoundedChoice", "HashRing", "bounded_choice", "stable_hash"]
+__all__ = ["BoundedChoice", "HashRing", "bounded_choice", "bounded_cost_choice", "stable_hash"]
 
 
 def stable_hash(data: bytes) -> int:
@@ -98,3 +98,35 @@ def bounded_choice(
         walks += 1
     least = min(loads, key=lambda r: loads[r])
     return BoundedChoice(least, home or least, walks)
+
+
+def bounded_cost_choice(
+    ring: HashRing,
+    key: int,
+    costs: Mapping[str, float],
+    balance_factor: float = 1.25,
+    prefer: str | None = None,
+) -> BoundedChoice | None:
+    """The bounded-load walk with loads measured in work rather than requests.
+
+    ``costs`` holds, per candidate, the work the request would find there *including its own*
+    (e.g. prefill tokens queued ahead plus the request's tokens not cached there). The key stays
+    on ``prefer`` (where its prefix was last sent) or else its first ring replica unless that
+    cost exceeds ``balance_factor`` x the candidates' mean cost; then it walks clockwise. Counting
+    the request's own work in every cost keeps an idle pool from walking (every cost equals the
+    mean), and lets a replica that already holds most of the prompt take it even when busier.
+    """
+    if not costs:
+        return None
+    bound = balance_factor * sum(costs.values()) / len(costs)
+    order = [n for n in ring.walk(key) if n in costs]
+    home = order[0] if order else next(iter(costs))
+    if prefer is not None and prefer in costs:
+        order = [prefer, *(n for n in order if n != prefer)]
+    walks = 0
+    for name in order:
+        if costs[name] <= bound:
+            return BoundedChoice(name, home, walks)
+        walks += 1
+    best = min(costs, key=lambda r: costs[r])
+    return BoundedChoice(best, home, walks)

@@ -24,8 +24,10 @@ T = TypeVar("T")
 class ReplicaView:
     """One replica as the router sees it.
 
-    ``inflight`` is the gateway's own count (instant); ``snapshot`` is the last scraped
-    ``/metrics`` (``snapshot_age_s`` old), which also carries other gateways' traffic.
+    ``inflight`` is the gateway's own count (instant) and ``prefill_tokens`` the prompt tokens
+    of those requests still waiting for their first token (the prefill work queued there);
+    ``snapshot`` is the last scraped ``/metrics`` (``snapshot_age_s`` old), which also carries
+    other gateways' traffic.
     """
 
     name: str
@@ -41,6 +43,7 @@ class ReplicaView:
     snapshot_age_s: float = math.inf
     loaded_adapters: frozenset[str] = frozenset()
     max_loras: int = 0
+    prefill_tokens: int = 0
 
     @property
     def load(self) -> float:
