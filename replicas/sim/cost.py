@@ -9,7 +9,8 @@ weights, heads and KV evenly):
   reproduces the gradual knee measured on H100s (Vidur's per-operator profiles);
 * **attention** reads each sequence's KV (decode: memory-bound) and does
   ``4 * heads * head_dim`` FLOPs per (query, key) pair (prefill: compute-bound);
-* **tensor-parallel all-reduce**: two per layer, ``latency + 2(tp-1)/tp * bytes / link_bw``;
+* **tensor-parallel all-reduce**: two per layer, a ring's ``2(tp-1) * hop + 2(tp-1)/tp * bytes /
+  link_bw``;
 * **overheads**: per step (scheduling, sampling, launch), per layer (kernel launches that CUDA
   graphs do not hide), per sequence in the batch.
 
@@ -126,7 +127,7 @@ class Efficiency:
     step_overhead_s: float = 1.6e-3  # scheduler, sampling, input prep, launch
     layer_overhead_s: float = 22e-6  # per layer per step
     seq_overhead_s: float = 6e-6  # per sequence in the batch per step
-    allreduce_latency_s: float = 14e-6  # per all-reduce (custom all-reduce on NVLink)
+    allreduce_hop_s: float = 2.3e-6  # latency per ring hop: an all-reduce on tp GPUs takes 2(tp-1) hops
     allreduce_bw_efficiency: float = 0.55  # achieved / NVLink bandwidth for large all-reduces
 
 
@@ -218,7 +219,7 @@ class CostModel:
         self._seq_s = d.seq_overhead_s if d.seq_overhead_s is not None else e.seq_overhead_s
         if tp > 1:
             n_ar = 2 * m.num_layers
-            self._ar_fixed_s = n_ar * e.allreduce_latency_s
+            self._ar_fixed_s = n_ar * e.allreduce_hop_s * 2 * (tp - 1)
             ar_bytes_per_token = m.hidden_size * 2 * 2 * (tp - 1) / tp  # BF16 activations, ring
             self._ar_s_per_token = n_ar * ar_bytes_per_token / (d.link_bandwidth * e.allreduce_bw_efficiency)
         else:

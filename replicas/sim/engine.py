@@ -98,7 +98,13 @@ class _Hist:
             placed = 0
             for i in range(lo, hi):
                 # Values v_j <= bound i: j <= (bound - first) / step.
-                upto = min(k, max(0, math.floor((self.bounds[i] - first) / step) + 1))
+                b = self.bounds[i]
+                upto = min(k, max(0, math.floor((b - first) / step) + 1))
+                # Settle float rounding at the boundary exactly as single observations would.
+                while upto < k and first + step * upto <= b:
+                    upto += 1
+                while upto > 0 and first + step * (upto - 1) > b:
+                    upto -= 1
                 self.counts[i] += (upto - placed) * weight
                 placed = upto
             self.counts[hi] += (k - placed) * weight

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from replicas.sim.engine import SimEngine, StepOutput
+from replicas.sim.presets import Preset
 from replicas.sim.request import Request, RequestStatus
 
 __all__ = ["SimRequest", "SimResult", "VirtualCluster"]
@@ -145,7 +146,7 @@ class VirtualCluster:
 
     def __init__(
         self,
-        preset: str | Sequence[str] = "llama-3.1-70b-fp8-h200-tp4",
+        preset: str | Preset | Sequence[str | Preset] = "llama-3.1-70b-fp8-h200-tp4",
         replicas: int = 1,
         *,
         seed: int = 0,
@@ -159,16 +160,16 @@ class VirtualCluster:
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._replicas: list[_Replica] = []
-        presets = [preset] * replicas if isinstance(preset, str) else list(preset)
+        presets = [preset] * replicas if isinstance(preset, (str, Preset)) else list(preset)
         for p in presets:
             self.add_replica(p)
         self.engines: Sequence[SimEngine] = _EngineView(self)
         self.num_events = 0
 
-    def add_replica(self, preset: str | None = None) -> int:
+    def add_replica(self, preset: str | Preset | None = None) -> int:
         """Start one more replica (ready at once; model a cold start with ``at``); its index."""
         if preset is None:
-            preset = self._replicas[0].engine.preset.name if self._replicas else "llama-3.1-8b-h100"
+            preset = self._replicas[0].engine.preset if self._replicas else "llama-3.1-8b-h100"
         index = len(self._replicas)
         engine = SimEngine(
             preset,
