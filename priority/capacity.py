@@ -5,7 +5,9 @@ user's tokens. The gateway caps the interactive requests it keeps on each replic
 cap by AIMD from the time per output token it measures itself: every ``interval_s``, with at
 least ``min_samples`` finished requests, it takes the p95 of their TPOT; above the SLO the cap is
 cut by ``decrease`` (multiplicative), below ``headroom`` x SLO while the cap was actually reached
-it grows by one (additive). The cap starts at the pool's ``max_inflight_per_replica`` and stays
+it grows by one (additive). "Above the SLO" means above ``target`` x SLO (0.85): a controller
+that only reacts once an interval's p95 has crossed the SLO holds the overall p95 *at* the SLO,
+so it aims a margin below it. The cap starts at the pool's ``max_inflight_per_replica`` and stays
 within ``[min_inflight_per_replica, max_inflight_per_replica]``.
 
 Example::
@@ -30,8 +32,9 @@ class AdaptiveCap:
     """AIMD on one replica's in-flight cap, from per-request TPOT samples.
 
     **Parameters:** ``initial``, ``minimum``, ``maximum`` (requests); ``slo_s`` (TPOT p95
-    target); ``interval_s`` between decisions; ``min_samples`` per decision; ``decrease``
-    (multiplicative factor); ``headroom`` (grow only while p95 < headroom x SLO).
+    limit); ``target`` (cut above target x SLO); ``interval_s`` between decisions;
+    ``min_samples`` per decision; ``decrease`` (multiplicative factor); ``headroom`` (grow only
+    while p95 < headroom x SLO).
     """
 
     def __init__(
@@ -45,7 +48,8 @@ class AdaptiveCap:
         interval_s: float = 2.0,
         min_samples: int = 8,
         decrease: float = 0.75,
-        headroom: float = 0.8,
+        target: float = 0.85,
+        headroom: float = 0.65,
     ) -> None:
         if not 1 <= minimum <= maximum:
             raise ValueError("need 1 <= minimum <= maximum")
@@ -57,6 +61,7 @@ class AdaptiveCap:
         self.interval_s = interval_s
         self.min_samples = min_samples
         self.decrease = decrease
+        self.target = target
         self.headroom = headroom
         self._samples: list[float] = []
         self._peak_inflight = 0
@@ -80,7 +85,7 @@ class AdaptiveCap:
             return self.value
         p95 = quantile(self._samples, 0.95)
         self.last_p95 = p95
-        if p95 > self.slo_s:
+        if p95 > self.slo_s * self.target:
             self.value = max(self.minimum, min(self.value - 1, math.floor(self.value * self.decrease)))
         elif p95 < self.slo_s * self.headroom and self._peak_inflight >= self.value:
             self.value = min(self.maximum, self.value + 1)

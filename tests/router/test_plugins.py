@@ -300,3 +300,29 @@ def test_radix_tree_evicts_least_recent_beyond_its_size() -> None:
     tree.produce(RouteRequest("m", prefix_blocks=(1, 2)), [v("a")], [v("a")], st)
     facts = st.get(TREE_FACTS)
     assert facts is not None and facts.size == {"a": 3} and facts.match == {"a": 0.0}
+
+
+def test_prefix_ring_follows_a_key_to_where_its_prefix_went() -> None:
+    # Given a conversation whose ring replica was busy with queued prefill when its first turn came,
+    ring = PrefixRing("prefix-ring")
+    names = ["a", "b", "c", "d"]
+    first = RouteRequest("m", prefix_key=77, prompt_tokens=4000)
+    probe = state(first)
+    idle = [v(n) for n in names]
+    ring.produce(first, idle, idle, probe)
+    home = probe.get(PREFIX_CHOICE).home  # type: ignore[union-attr]
+    busy = [v(n, prefill_tokens=60_000 if n == home else 0) for n in names]
+    st = state(first, now=1.0)
+    ring.produce(first, busy, busy, st)
+    walked = st.get(PREFIX_CHOICE)
+    assert walked is not None and walked.target != home
+    ring.after_pick(first, next(x for x in busy if x.name == walked.target), st)
+    # When its second turn (which repeats the first) arrives and the ring replica is idle again,
+    second = RouteRequest("m", prefix_key=77, prompt_tokens=5000)
+    st2 = state(second, now=2.0)
+    ring.produce(second, idle, idle, st2)
+    # Then it follows its prefix to where it went, not back to its ring replica.
+    followed = st2.get(PREFIX_CHOICE)
+    assert followed is not None and followed.target == walked.target
+    ring.after_pick(second, next(x for x in idle if x.name == walked.target), st2)
+    assert st2.notes["prefix"] == "followed"

@@ -83,3 +83,24 @@ def test_bounded_load_keeps_the_max_within_the_factor() -> None:
         assert choice is not None
         loads[choice.target] += 1
     assert max(loads.values()) <= 1.25 * 100 + 1
+
+
+def test_work_bound_keeps_an_idle_pool_home_and_spreads_queued_prefill() -> None:
+    from router.ring import bounded_cost_choice
+
+    ring = HashRing(["a", "b", "c", "d"])
+    order = list(ring.walk(42))
+    # Given an idle pool, a 10k-token prompt costs 10k everywhere: it stays on its ring replica.
+    idle = dict.fromkeys("abcd", 10_000.0)
+    choice = bounded_cost_choice(ring, 42, idle)
+    assert choice is not None and (choice.target, choice.walks) == (order[0], 0)
+    # Given 40k prefill tokens queued on that replica, 50k > 1.25 x mean (20k): it walks on.
+    busy = dict(idle)
+    busy[order[0]] = 50_000.0
+    choice = bounded_cost_choice(ring, 42, busy)
+    assert choice is not None and (choice.home, choice.target, choice.walks) == (order[0], order[1], 1)
+    # A replica that holds most of the prompt (cheap there) is preferred even when busier.
+    warm = dict(idle)
+    warm[order[2]] = 8_000.0 + 1_000.0  # 8k queued + 1k uncached
+    choice = bounded_cost_choice(ring, 42, warm, prefer=order[2])
+    assert choice is not None and choice.target == order[2]
