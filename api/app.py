@@ -13,18 +13,29 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from api.auth import KeyStore
 from api.errors import install_error_handlers
 from api.interactive import InteractiveService
-from api.limits import BodyLimit
+from api.limits import BodyLimit, BodyTooLarge, body_too_large
 from api.routes import ROUTERS
 from api.state import GatewayState
 from tidal import __version__
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 
-__all__ = ["create_app"]
+__all__ = ["GatewayApp", "create_app"]
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, plus the server's own ``send`` in the scope (``tidal.send``): the streaming proxy
+    writes body chunks with it, past the middleware wrappers that only watch for the response
+    start (which still goes through them)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["tidal.send"] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None = None) -> FastAPI:
@@ -48,7 +59,7 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
             for hook in reversed(state.on_shutdown):
                 await hook()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="Tidal gateway",
         version=__version__,
         description="OpenAI-compatible gateway for interactive and batch LLM work on one GPU pool.",
@@ -57,6 +68,7 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
     app.state.tidal = state
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=fleet.gateway.max_body_bytes)
+    app.add_exception_handler(BodyTooLarge, body_too_large)
     for router in ROUTERS:
         app.include_router(router)
     return app

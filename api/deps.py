@@ -1,5 +1,8 @@
 """Dependencies as ``Annotated`` aliases, so handlers read as typed parameters.
 
+They are ``async def`` although none of them awaits: FastAPI runs plain ``def`` dependencies in
+a worker thread, and that hand-off per request is a large part of a proxied request's cost.
+
 Example::
 
     @router.get("/v1/things")
@@ -29,7 +32,7 @@ __all__ = [
 ]
 
 
-def get_state(request: Request) -> GatewayState:
+async def get_state(request: Request) -> GatewayState:
     state: GatewayState = request.app.state.tidal
     return state
 
@@ -37,7 +40,7 @@ def get_state(request: Request) -> GatewayState:
 StateDep = Annotated[GatewayState, Depends(get_state)]
 
 
-def require_principal(request: Request, state: StateDep) -> Principal:
+async def require_principal(request: Request, state: StateDep) -> Principal:
     """The caller, from ``Authorization: Bearer <key>``; 401 (OpenAI-shaped) otherwise."""
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
@@ -52,7 +55,7 @@ def require_principal(request: Request, state: StateDep) -> Principal:
 PrincipalDep = Annotated[Principal, Depends(require_principal)]
 
 
-def require_admin(principal: PrincipalDep) -> Principal:
+async def require_admin(principal: PrincipalDep) -> Principal:
     if not principal.admin:
         raise APIError(403, "This endpoint needs an admin key.", code="admin_required")
     return principal
@@ -61,7 +64,7 @@ def require_admin(principal: PrincipalDep) -> Principal:
 AdminDep = Annotated[Principal, Depends(require_admin)]
 
 
-def get_interactive(state: StateDep) -> InteractiveService:
+async def get_interactive(state: StateDep) -> InteractiveService:
     if state.interactive is None:
         raise APIError(503, "The interactive path is not running in this gateway.", code="not_available")
     return state.interactive

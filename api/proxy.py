@@ -22,9 +22,10 @@ that waits happens inside it, where the client's disconnect is watched:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
-import uuid
+import secrets
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -54,6 +55,10 @@ from tidal.clock import Clock
 __all__ = ["Proxy", "ProxyJob", "ProxyResponse", "UpstreamHandle"]
 
 log = logging.getLogger(__name__)
+
+# Request ids: a random per-process prefix and a counter (uuid4 per request costs more).
+_ID_PREFIX = f"tidal-{secrets.token_hex(6)}-"
+_IDS = itertools.count(1)
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -102,12 +107,13 @@ class ProxyJob:
     route: RouteRequest
     adapter: str | None
     arrived: float
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=lambda: f"{_ID_PREFIX}{next(_IDS):x}")
     client_gone: bool = False
     sent: bool = False
     prefilled: bool = False
     handle: UpstreamHandle | None = None
     waiter: asyncio.Future[str] | None = None
+    raw_send: Send | None = None  # the server's send, past the middleware wrappers
 
     def disconnected(self) -> None:
         self.client_gone = True
@@ -506,9 +512,10 @@ class Proxy:
         events = 0
         t_last = t_first
         if kind == "token":
+            raw = job.raw_send or send
             try:
                 async for piece in chunks:
-                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                    await raw({"type": "http.response.body", "body": piece, "more_body": True})
                     events += piece.count(b"data:")
                     t_last = self.clock.now()
             except ReplicaStreamError:
@@ -536,6 +543,7 @@ class ProxyResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         job = self.job
+        job.raw_send = scope.get("tidal.send")
 
         async def watch() -> None:
             while True:

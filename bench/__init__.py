@@ -12,4 +12,5 @@ __all__ = ["BENCHMARKS"]
 BENCHMARKS: dict[str, str] = {
     "autoscale": "bench.autoscale:run",
     "routing": "bench.routing:run",
+    "gateway": "bench.gateway:run",
 }

@@ -302,12 +302,12 @@ def _workloads(trace: Any, quick: bool, limit: int | None) -> list[tuple[str, li
     out: list[tuple[str, list[TraceRequest], str]] = []
     if files:
         for f in files:
-            out.append((Path(f).name, load_trace(f), f"trace file {f}"))
+            out.append((Path(f).name, load_trace(f), f"trace file {Path(f).name}"))
     else:
         for name in DEFAULT_TRACES:
             found = find_trace(name, Path(__file__).resolve().parents[1])
             if found is not None:
-                out.append((name, load_trace(found), f"real trace {found}"))
+                out.append((name, load_trace(found), f"real trace {name} (shared traces)"))
         if not out:
             reqs = synthetic_workload(duration_s=3600.0)
             out.append(

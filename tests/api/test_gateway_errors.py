@@ -106,6 +106,18 @@ def test_missing_key_body_too_large_and_admin_only(offline_gateway: Gateway) -> 
     assert r.status_code == 401 and _shape(r.json())["code"] == "invalid_api_key"
     r = _post(offline_gateway, b"{" + b" " * (5 * 1024 * 1024) + b"}")
     assert r.status_code == 413 and _shape(r.json())["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit is enforced as the body arrives
+        for _ in range(6):
+            yield b" " * (1024 * 1024)
+
+    r = httpx.post(
+        offline_gateway.url + "/v1/chat/completions",
+        content=chunks(),
+        headers={"Authorization": f"Bearer {DEV_KEY}", "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 413 and _shape(r.json())["code"] == "request_too_large"
     r = httpx.get(offline_gateway.url + "/admin/load", headers={"Authorization": f"Bearer {DEV_KEY}"})
     assert r.status_code == 403 and _shape(r.json())["type"] == "permission_error"
 
