@@ -318,7 +318,12 @@ class Proxy:
         last: ReplicaError | None = None
         started = False
         for attempt in range(self.attempts):
-            result = self.router.route(job.route, self.registry.views(pool), exclude=tried)
+            views = self.registry.views(pool)
+            result = self.router.route(job.route, views, exclude=tried)
+            if result is None and tried and last is not None and last.status is None:
+                # A connection-level failure (e.g. a pooled connection the replica had just
+                # closed) and no other replica: the same one may take it.
+                result = self.router.route(job.route, views)
             state = self.registry.get(result.replica.name) if result is not None else None
             if state is None or not isinstance(state.client, ReplicaClient):
                 break
