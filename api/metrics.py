@@ -7,7 +7,7 @@ Prometheus (``GET /metrics``):
 * ``tidal_admission_outcomes_total{class, feature, outcome}`` -- admitted, queued,
   rejected_429, overflowed, context_cap_400, errors;
 * ``tidal_router_decisions_total{profile, replica}``, ``tidal_router_prefix_total{result}``
-  (hit / walked / miss / none), ``tidal_router_session_total{result}``,
+  (hit / followed / walked / miss / none), ``tidal_router_session_total{result}``,
   ``tidal_router_ring_walks_total``, ``tidal_router_adapter_loads_total{replica}``,
   ``tidal_router_adapter_evictions_total{replica}``,
   ``tidal_router_plugin_duration_seconds{extension, type, name}``;
