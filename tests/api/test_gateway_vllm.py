@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,3 +158,44 @@ def test_admin_views_see_the_replicas(gateway: Gateway) -> None:
     pool = load["pools"]["interactive"]
     assert pool["replicas_healthy"] == 2 and pool["queue_depth"] == 0
     assert "stable" in load["groups"]
+
+
+def test_a_client_disconnect_aborts_the_request_upstream(gateway: Gateway, vllm_pair: list) -> None:  # type: ignore[type-arg]
+    def running() -> float:
+        return sum(parse_load_snapshot(httpx.get(p.url + "/metrics").text).num_running for p in vllm_pair)
+
+    def generated() -> float:
+        return sum(
+            parse_load_snapshot(httpx.get(p.url + "/metrics").text).generation_tokens for p in vllm_pair
+        )
+
+    # Given a long stream in progress through the gateway,
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "a very long story"}],
+        "max_tokens": 2500,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST",
+        gateway.url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {DEV_KEY}"},
+        timeout=60,
+    ) as resp:
+        lines = resp.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert running() == 1
+    # When the client goes away after a few tokens, Then vLLM stops generating for it at once
+    # (2500 tokens would take far longer) and the gateway's in-flight count returns to zero.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and running() > 0:
+        time.sleep(0.1)
+    assert running() == 0
+    settled = generated()
+    time.sleep(1.0)
+    assert generated() == settled
+    inflight = [r["inflight"] for r in gateway.admin("GET", "/admin/replicas").json()["data"]]
+    assert inflight == [0, 0]
