@@ -1,0 +1,167 @@
+"""The producer side of the batch tier: publishing chunks as Celery tasks on the lane queues.
+
+Only the message is published here (by task name); the consuming Celery app lives in
+``workers/``, so the gateway never imports worker code. A chunk row is marked ``queued`` *after*
+the broker confirmed the message: a crash in between leaves it ``pending`` and the maintenance
+sweep publishes it again (a duplicate message costs only repeated work, never a lost line).
+
+Example::
+
+    publisher = CeleryChunkPublisher.from_settings(settings)
+    publisher.publish("batch_abc", 0, lane="shared", priority=9)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+from celery import Celery
+from sqlalchemy import text
+
+from batch_jobs.store import Store
+from priority.classes import Lane, rabbitmq_priority
+from priority.queues import CHUNK_TASK, Topology, celery_base_config
+from tidal.settings import Settings
+
+__all__ = [
+    "CeleryChunkPublisher",
+    "ChunkPublisher",
+    "PublishError",
+    "producer_app",
+    "publish_pending",
+    "requeue_stale_running",
+]
+
+log = logging.getLogger(__name__)
+
+
+class PublishError(Exception):
+    """The broker did not take the message (unreachable, or the lane queue is full)."""
+
+
+class ChunkPublisher(Protocol):
+    def publish(self, batch_id: str, chunk_no: int, *, lane: str, priority: int) -> None: ...
+
+
+def producer_app(settings: Settings, *, name: str = "tidal-producer") -> Celery:
+    """A Celery app with the shared configuration and no tasks: for publishing and control."""
+    app = Celery(name, set_as_current=False)
+    broker_dir = str(settings.resolved_broker_dir.resolve())
+    app.conf.update(
+        celery_base_config(settings.broker_url, Topology(settings.queue_namespace), broker_dir=broker_dir)
+    )
+    return app
+
+
+class CeleryChunkPublisher:
+    """Publishes chunk tasks with message priority and publisher confirms."""
+
+    def __init__(self, app: Celery, topology: Topology) -> None:
+        self.app = app
+        self.topology = topology
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> CeleryChunkPublisher:
+        return cls(producer_app(settings), Topology(settings.queue_namespace))
+
+    def publish(self, batch_id: str, chunk_no: int, *, lane: str, priority: int) -> None:
+        queue = self.topology.kombu_queue(Lane(lane))
+        try:
+            self.app.send_task(
+                CHUNK_TASK,
+                args=[batch_id, chunk_no],
+                queue=queue,
+                routing_key=queue.routing_key,
+                exchange=queue.exchange,
+                priority=rabbitmq_priority(priority),
+                retry=True,
+                retry_policy={
+                    "max_retries": 2,
+                    "interval_start": 0.2,
+                    "interval_step": 0.5,
+                    "interval_max": 1,
+                },
+            )
+        except Exception as exc:  # kombu/amqp raise many types; all mean "not taken"
+            raise PublishError(f"could not publish chunk {batch_id}/{chunk_no}: {exc!r}") from exc
+
+    def close(self) -> None:
+        self.app.close()
+
+
+def publish_pending(
+    store: Store,
+    publisher: ChunkPublisher,
+    *,
+    batch_id: str | None = None,
+    created_before: float | None = None,
+    limit: int = 2000,
+) -> int:
+    """Publish chunks still ``pending`` (most urgent batches first); returns how many went out.
+
+    Stops at the first broker failure: the rest stay pending for the next sweep.
+    """
+    where = ["c.state = 'pending'", "b.status = 'in_progress'"]
+    params: dict[str, Any] = {"lim": limit}
+    if batch_id is not None:
+        where.append("c.batch_id = :b")
+        params["b"] = batch_id
+    if created_before is not None:
+        where.append("c.created_at <= :cut")
+        params["cut"] = created_before
+    with store.session() as s:
+        rows = (
+            s.connection()
+            .execute(
+                text(
+                    f"""SELECT c.batch_id, c.chunk_no, c.queue_lane, c.priority
+                          FROM tidal_batch_chunks c JOIN tidal_batches b ON b.id = c.batch_id
+                         WHERE {" AND ".join(where)}
+                         ORDER BY c.priority DESC, b.seq, c.chunk_no LIMIT :lim"""
+                ),
+                params,
+            )
+            .all()
+        )
+    sent = 0
+    for bid, chunk_no, lane, priority in rows:
+        try:
+            publisher.publish(bid, chunk_no, lane=lane, priority=priority)
+        except PublishError as exc:
+            log.warning("%s; will retry", exc)
+            break
+        with store.session() as s:
+            s.connection().execute(
+                text(
+                    """UPDATE tidal_batch_chunks SET state = 'queued', published_at = :now
+                        WHERE batch_id = :b AND chunk_no = :c AND state = 'pending'"""
+                ),
+                {"b": bid, "c": chunk_no, "now": time.time()},
+            )
+        sent += 1
+    return sent
+
+
+def requeue_stale_running(store: Store, *, now: float, stale_after_s: float) -> int:
+    """Mark chunks whose worker stopped heartbeating as pending again.
+
+    Only for brokers that do not redeliver unacknowledged messages of a dead consumer (the
+    embedded fallback); RabbitMQ redelivers them itself.
+    """
+    with store.session() as s:
+        return int(
+            s.connection()
+            .execute(
+                text(
+                    """UPDATE tidal_batch_chunks SET state = 'pending', created_at = :now
+                        WHERE state = 'running' AND heartbeat_at < :cut"""
+                ),
+                {"now": now, "cut": now - stale_after_s},
+            )
+            .rowcount
+            or 0
+        )
