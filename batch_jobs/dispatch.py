@@ -32,6 +32,7 @@ __all__ = [
     "PublishError",
     "producer_app",
     "publish_pending",
+    "release_stale_publishing",
     "requeue_stale_running",
 ]
 
@@ -129,21 +130,58 @@ def publish_pending(
         )
     sent = 0
     for bid, chunk_no, lane, priority in rows:
+        # Claim first, so two sweepers never publish the same chunk; a claim whose publisher died
+        # goes back to pending after a minute (release_stale_publishing).
+        with store.session() as s:
+            claimed = (
+                s.connection()
+                .execute(
+                    text(
+                        """UPDATE tidal_batch_chunks SET state = 'publishing', published_at = :now
+                        WHERE batch_id = :b AND chunk_no = :c AND state = 'pending'"""
+                    ),
+                    {"b": bid, "c": chunk_no, "now": time.time()},
+                )
+                .rowcount
+            )
+        if claimed != 1:
+            continue
         try:
             publisher.publish(bid, chunk_no, lane=lane, priority=priority)
         except PublishError as exc:
+            _set_chunk_state(store, bid, chunk_no, "publishing", "pending")
             log.warning("%s; will retry", exc)
             break
-        with store.session() as s:
-            s.connection().execute(
-                text(
-                    """UPDATE tidal_batch_chunks SET state = 'queued', published_at = :now
-                        WHERE batch_id = :b AND chunk_no = :c AND state = 'pending'"""
-                ),
-                {"b": bid, "c": chunk_no, "now": time.time()},
-            )
+        _set_chunk_state(store, bid, chunk_no, "publishing", "queued")
         sent += 1
     return sent
+
+
+def _set_chunk_state(store: Store, batch_id: str, chunk_no: int, old: str, new: str) -> None:
+    with store.session() as s:
+        s.connection().execute(
+            text(
+                "UPDATE tidal_batch_chunks SET state = :new WHERE batch_id = :b AND chunk_no = :c AND state = :old"
+            ),
+            {"b": batch_id, "c": chunk_no, "old": old, "new": new},
+        )
+
+
+def release_stale_publishing(store: Store, *, now: float, older_than_s: float = 60.0) -> int:
+    """Chunks claimed by a publisher that died before it finished go back to pending."""
+    with store.session() as s:
+        return int(
+            s.connection()
+            .execute(
+                text(
+                    """UPDATE tidal_batch_chunks SET state = 'pending'
+                        WHERE state = 'publishing' AND published_at < :cut"""
+                ),
+                {"cut": now - older_than_s},
+            )
+            .rowcount
+            or 0
+        )
 
 
 def requeue_stale_running(store: Store, *, now: float, stale_after_s: float) -> int:

@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import text
 
-from batch_jobs.dispatch import ChunkPublisher, publish_pending, requeue_stale_running
+from batch_jobs.dispatch import (
+    ChunkPublisher,
+    publish_pending,
+    release_stale_publishing,
+    requeue_stale_running,
+)
 from batch_jobs.files import FileStore
 from batch_jobs.finalize import AfterFinal, FinalKind, finalize_batch, release_stale_claims
 from batch_jobs.store import Store
@@ -88,6 +93,7 @@ class BatchMaintenance:
                 self.store, now=now, stale_after_s=self.republish_stale_running_after_s
             )
         if self.publisher is not None:
+            report["unclaimed"] = release_stale_publishing(self.store, now=now)
             report["published"] = publish_pending(
                 self.store, self.publisher, created_before=now - self.publish_grace_s
             )

@@ -46,8 +46,9 @@ BATCH_ACTIVE: frozenset[str] = frozenset({"validating", "in_progress", "finalizi
 
 LinePublicState = Literal["pending", "done", "failed"]
 # pending: not sent yet (or not answered); done: in the output file; failed: in the error file.
-# queued: published to the broker; pending: waiting to be published; running: a worker holds it.
-ChunkState = Literal["pending", "queued", "running", "done", "dead"]
+# pending: waiting to be published; publishing: a publisher claimed it; queued: the broker has it;
+# running: a worker holds it; done: every line has a result; dead: past the delivery limit.
+ChunkState = Literal["pending", "publishing", "queued", "running", "done", "dead"]
 
 
 def _text() -> Any:
@@ -280,7 +281,7 @@ class BatchChunk(SQLModel, table=True):
     priority: int = 0
     first_line: int
     last_line: int
-    state: str = Field(default="pending", max_length=8)
+    state: str = Field(default="pending", max_length=16)
     deliveries: int = 0
     releases: int = 0
     created_at: float = 0.0
