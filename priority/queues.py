@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import urllib.parse
 from dataclasses import dataclass
@@ -173,6 +174,8 @@ def celery_base_config(
     elif broker_url.startswith("filesystem://"):
         if broker_dir is None:
             raise ValueError("the filesystem broker needs a directory")
+        for d in (broker_dir, broker_dir + "-control"):
+            os.makedirs(d, exist_ok=True)  # kombu expects them to exist
         conf["broker_transport_options"] = {
             "data_folder_in": broker_dir,
             "data_folder_out": broker_dir,
