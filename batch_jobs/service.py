@@ -154,13 +154,13 @@ class BatchService:
             s.add(rec)
         return rec
 
-    def get_file(self, tenant: str, file_id: str) -> FileRecord:
+    def get_file(self, tenant: str, file_id: str, *, param: str = "file_id") -> FileRecord:
         with self.store.session() as s:
             f = s.exec(
                 select(FileRecord).where(FileRecord.id == file_id, FileRecord.tenant == tenant)
             ).first()
         if f is None:
-            raise NotFound(f"No such file: {file_id[:64]!r}", param="file_id")
+            raise NotFound(f"No such file: {file_id[:64]!r}", param=param)
         return f
 
     def file_path(self, tenant: str, file_id: str) -> Path:
@@ -225,7 +225,7 @@ class BatchService:
                 f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}", param="completion_window"
             )
         ext = self._extensions(params.metadata, admin=admin)
-        f = self.get_file(tenant, params.input_file_id)
+        f = self.get_file(tenant, params.input_file_id, param="input_file_id")
         if f.purpose != BATCH_PURPOSE:
             raise InvalidRequest(
                 f"The input file must be uploaded with purpose 'batch' (it has {f.purpose!r}).",

@@ -186,9 +186,11 @@ class _Flusher:
     record: Recorder
     buffer: list[LineResult] = field(default_factory=list)
     recorded: int = 0
+    added: int = 0
     last: float = field(default_factory=time.monotonic)
 
     async def add(self, result: LineResult) -> None:
+        self.added += 1
         self.buffer.append(result)
         if len(self.buffer) >= FLUSH_AT or time.monotonic() - self.last >= FLUSH_EVERY_S:
             await self.flush()
@@ -241,7 +243,7 @@ class ChunkExecutor:
             ctx._cleanup()
             for t in inflight:
                 t.cancel()
-        remaining = len(pending) + len(inflight)
+        remaining = len(work.lines) - flusher.added  # unanswered: the next delivery sends them
         if ctx.stop_reason is None:
             outcome = ChunkOutcome("done", recorded=flusher.recorded)
         elif not ctx.requeue:

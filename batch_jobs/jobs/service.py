@@ -73,7 +73,7 @@ class JobService:
         kind.check_options(options, served_models=served)
         if (options.pool or options.replica_group) and not admin:
             raise Forbidden("only admins may pin a job to a pool or replica group", param="options.pool")
-        f = self.batch.get_file(tenant, params.input_file_id)
+        f = self.batch.get_file(tenant, params.input_file_id, param="input_file_id")
         if f.purpose not in DATASET_PURPOSES:
             raise InvalidRequest(
                 f"job datasets are uploaded with purpose {' or '.join(DATASET_PURPOSES)} (this file has {f.purpose!r})",
