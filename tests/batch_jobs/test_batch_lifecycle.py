@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 from batch_jobs.dispatch import PublishError, publish_pending
 from batch_jobs.files import FileStore
@@ -227,9 +228,11 @@ async def test_a_dead_finalisers_claim_is_released(svc: BatchService) -> None:
     record_results(svc.store, bid, [_answer(1)])
     # Given a finaliser claimed the batch and died
     with svc.store.session() as s:
-        s.connection().exec_driver_sql(
-            "UPDATE tidal_batches SET final_claim = 'dead', final_claimed_at = 0, status = 'finalizing' WHERE id = '%s'"
-            % bid
+        s.connection().execute(
+            text(
+                "UPDATE tidal_batches SET final_claim = 'dead', final_claimed_at = 0, status = 'finalizing' WHERE id = :b"
+            ),
+            {"b": bid},
         )
     # When its claim is stale, it is released and the batch completes
     assert release_stale_claims(svc.store, now=T0) == 1
