@@ -380,6 +380,9 @@ class WorkerRecord(SQLModel, table=True):
     concurrency: int
     started_at: float
     heartbeat_at: float
+    # The lanes this worker currently treats as paused (comma-separated), so a pause can be
+    # confirmed from the store where the broker has no remote control (the embedded fallback).
+    paused_lanes: str = Field(default="", max_length=64)
 
 
 class ListPage(BaseModel):

@@ -30,6 +30,7 @@ __all__ = [
     "register_worker",
     "set_lane_paused",
     "unregister_worker",
+    "worker_paused_lanes",
     "workers_of_lane",
 ]
 
@@ -132,8 +133,16 @@ def lane_states(session: Session) -> dict[str, bool]:
 # -- worker registry ------------------------------------------------------------------------------
 
 
-def register_worker(session: Session, *, hostname: str, lane: str, pid: int, concurrency: int) -> None:
-    """Insert or refresh this worker's row (also its heartbeat)."""
+def register_worker(
+    session: Session,
+    *,
+    hostname: str,
+    lane: str,
+    pid: int,
+    concurrency: int,
+    paused_lanes: list[str] | None = None,
+) -> None:
+    """Insert or refresh this worker's row (also its heartbeat and its view of paused lanes)."""
     now = time.time()
     row = session.get(WorkerRecord, hostname)
     if row is None:
@@ -141,7 +150,15 @@ def register_worker(session: Session, *, hostname: str, lane: str, pid: int, con
             hostname=hostname, lane=lane, pid=pid, concurrency=concurrency, started_at=now, heartbeat_at=now
         )
     row.heartbeat_at = now
+    if paused_lanes is not None:
+        row.paused_lanes = ",".join(sorted(paused_lanes))
     session.add(row)
+
+
+def worker_paused_lanes(session: Session, hostnames: list[str]) -> dict[str, set[str]]:
+    """Each worker's last reported set of paused lanes."""
+    rows = session.exec(select(WorkerRecord).where(col(WorkerRecord.hostname).in_(hostnames))).all()
+    return {r.hostname: {x for x in r.paused_lanes.split(",") if x} for r in rows}
 
 
 def unregister_worker(session: Session, hostname: str) -> None:

@@ -26,10 +26,12 @@ from typing import Any
 
 from celery import Celery
 
-from priority.queues import Topology
+from batch_jobs.store import Store, set_lane_paused, worker_paused_lanes, workers_of_lane
+from priority.queues import Topology, is_amqp, publish_lane_control
+from tidal.settings import Settings
 from workers.runtime import governed_queues, lane_of_hostname
 
-__all__ = ["PauseAck", "discover_workers", "pause_lane", "resume_lane"]
+__all__ = ["LaneSwitch", "PauseAck", "discover_workers", "pause_lane", "resume_lane"]
 
 
 @dataclass
@@ -138,3 +140,65 @@ def resume_lane(
 def _topology(app: Celery) -> Topology:
     exchange: Any = app.conf.control_exchange
     return Topology(str(exchange).removesuffix("-celery"))
+
+
+class LaneSwitch:
+    """A whole pause (or resume) in one call, for the scheduler's batch gate:
+
+    1. the persisted lane state (workers started later read it);
+    2. the control fanout (running chunks abort in-flight lines and requeue the rest);
+    3. ``cancel_consumer``/``add_consumer`` to the lane's live workers, confirmed.
+
+    Idempotent; call it again until ``confirmed``. On a broker without remote control (the
+    embedded fallback) steps 2-3 are replaced by the workers' own polling of the persisted state,
+    confirmed from what each worker last reported in the store (within a few seconds).
+
+    Example::
+
+        switch = LaneSwitch(settings)
+        ack = await asyncio.to_thread(switch.pause, "shared", "queue wait p95 0.8 s")
+    """
+
+    def __init__(self, settings: Settings, *, store: Store | None = None, app: Celery | None = None) -> None:
+        from workers.app import control_app
+
+        self.settings = settings
+        self.topology = Topology(settings.queue_namespace)
+        self.store = store or Store.from_url(settings.resolved_database_url)
+        self.amqp = is_amqp(settings.broker_url)
+        self.app = app or (control_app(settings) if self.amqp else None)
+
+    def pause(self, lane: str = "shared", reason: str = "", *, timeout: float = 2.0) -> PauseAck:
+        return self._switch(lane, True, reason, timeout)
+
+    def resume(self, lane: str = "shared", reason: str = "", *, timeout: float = 2.0) -> PauseAck:
+        return self._switch(lane, False, reason, timeout)
+
+    def _switch(self, lane: str, pause: bool, reason: str, timeout: float) -> PauseAck:
+        t0 = time.monotonic()
+        with self.store.session() as s:
+            set_lane_paused(s, lane, pause, reason)
+            hosts = workers_of_lane(s, lane)
+        if self.amqp and self.app is not None:
+            publish_lane_control(
+                self.settings.broker_url, self.topology, lane, "pause" if pause else "resume"
+            )
+            ack = _switch(self.app, lane, pause=pause, workers=hosts, topology=self.topology, timeout=timeout)
+            ack.elapsed_s = time.monotonic() - t0
+            return ack
+        # No remote control: wait until every live worker of the lane reports the new state.
+        deadline = t0 + timeout
+        while True:
+            with self.store.session() as s:
+                views = worker_paused_lanes(s, hosts)
+            wrong = sorted(h for h in hosts if (lane in views.get(h, set())) != pause)
+            if not wrong or time.monotonic() >= deadline:
+                return PauseAck(
+                    lane, "pause" if pause else "resume", hosts, not wrong, wrong, time.monotonic() - t0
+                )
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.app is not None:
+            self.app.close()
+        self.store.dispose()

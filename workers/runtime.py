@@ -248,6 +248,10 @@ class WorkerRuntime:
                 self._consuming_paused.discard(q)
                 if consumer is not None:
                     consumer.call_soon(consumer.add_task_queue, name)
+        try:
+            self._register()  # report the new view at once: LaneSwitch may be waiting on it
+        except Exception:
+            log.exception("could not record the lane state of %s", self.hostname)
 
     def _listen_control(self) -> None:
         """Hear pause/resume on the ``<ns>.control`` fanout (reconnecting if the broker goes)."""
@@ -295,6 +299,19 @@ class WorkerRuntime:
                 self.maintenance.sweep()
             except Exception:
                 log.exception("worker housekeeping failed")
+
+    def _register(self) -> None:
+        paused = [lane for lane, p in self.gate.snapshot().items() if p]
+        with self.store.session() as s:
+            register_worker(
+                s,
+                hostname=self.hostname,
+                lane=self.lane,
+                pid=os.getpid(),
+                concurrency=self.concurrency,
+                paused_lanes=paused,
+            )
+        self._last_heartbeat = time.time()
 
     def _batch_open(self, batch_id: str) -> bool:
         with self.store.session() as s:

@@ -19,7 +19,7 @@ import openai
 import pytest
 from sqlalchemy import create_engine, text
 
-from priority.queues import Topology, declare_topology, publish_lane_control, queue_depths
+from priority.queues import Topology, declare_topology, queue_depths
 from tests.batch_tier import (
     RABBIT_URL,
     BatchTier,
@@ -217,29 +217,21 @@ def test_cancel_keeps_partial_results(tier: BatchTier) -> None:
 
 
 def test_pausing_the_shared_lane_stops_it_within_seconds_and_resume_finishes(tier: BatchTier) -> None:
-    from batch_jobs.store import Store, set_lane_paused, workers_of_lane
-    from workers.app import control_app
-    from workers.control import pause_lane, resume_lane
+    from workers.control import LaneSwitch
 
-    settings = tier.settings()
     topo = Topology(tier.namespace)
     tier.start_worker("shared", concurrency=2)
-    store = Store.from_url(tier.database_url)
-    app = control_app(settings)
+    switch = LaneSwitch(tier.settings())
     try:
         with tier.gateway() as gw:
             client = openai_client(gw)
             batch = _submit(client, chat_lines(1200, max_tokens=32))
             wait_for(lambda: _done(client, batch.id) >= 50, 60, "shared-lane work to start")
-            # When the scheduler pauses the shared lane: persisted state, in-flight abort, consumers
-            with store.session() as s:
-                set_lane_paused(s, "shared", True, "test: interactive queue wait over budget")
-                hosts = wait_for(lambda: workers_of_lane(s, "shared"), 10, "the worker to register")
+            # When the scheduler pauses the shared lane (persisted state, in-flight abort, consumers)
             t0 = time.monotonic()
-            publish_lane_control(RABBIT_URL, topo, "shared", "pause")
-            ack = pause_lane(app, "shared", workers=hosts, topology=topo, timeout=2.0)
+            ack = switch.pause("shared", "test: interactive queue wait over budget")
             # Then the pause is confirmed quickly and no line finishes any more
-            assert ack.confirmed, ack
+            assert ack.confirmed and ack.workers, ack
             assert ack.elapsed_s < 2.0
             time.sleep(1.0)
             frozen = _done(client, batch.id)
@@ -252,18 +244,14 @@ def test_pausing_the_shared_lane_stops_it_within_seconds_and_resume_finishes(tie
             late = tier.start_worker("shared", concurrency=2)
             time.sleep(3.0)
             assert _done(client, batch.id) == frozen, late.log()[-2000:]
-            # When the lane resumes, the batch completes exactly once
-            with store.session() as s:
-                set_lane_paused(s, "shared", False)
-                hosts = workers_of_lane(s, "shared")
-            publish_lane_control(RABBIT_URL, topo, "shared", "resume")
-            assert resume_lane(app, "shared", workers=hosts, topology=topo, timeout=2.0).confirmed
+            # When the lane resumes, every worker consumes again and the batch completes once
+            resumed = switch.resume("shared")
+            assert resumed.confirmed and len(resumed.workers) == 2, resumed
             final = _wait_final(client, batch.id)
             assert final.status == "completed"
             _assert_exactly_once(client, final, 1200)
     finally:
-        app.close()
-        store.dispose()
+        switch.close()
 
 
 def test_a_chunk_past_the_delivery_limit_dead_letters_into_the_error_file(tier: BatchTier) -> None:
