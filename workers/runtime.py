@@ -399,8 +399,10 @@ class WorkerRuntime:
     def _run_chunk(self, batch_id: str, chunk_no: int) -> str:
         begun = self._begin(batch_id, chunk_no)
         if begun is None:
-            log.warning("chunk %s/%s is unknown here; dropping the message", batch_id, chunk_no)
-            return "missing"
+            # Another deployment's message (two sharing a namespace but not a database): keep it
+            # visible in the dead-letter queue rather than dropping someone's work.
+            log.error("chunk %s/%s is not in this store; dead-lettering the message", batch_id, chunk_no)
+            raise Reject("unknown chunk", requeue=False)
         chunk, batch = begun
         deliveries, releases, queue_lane = int(chunk[0]), int(chunk[1]), str(chunk[2])
         if batch.status != "in_progress" or batch.final_claim is not None:
