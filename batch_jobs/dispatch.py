@@ -14,12 +14,13 @@ Example::
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Protocol
 
 from celery import Celery
-from sqlalchemy import text
+from sqlalchemy import bindparam, text
 
 from batch_jobs.store import Store
 from priority.classes import Lane, rabbitmq_priority
@@ -129,42 +130,71 @@ def publish_pending(
             .all()
         )
     sent = 0
-    for bid, chunk_no, lane, priority in rows:
-        # Claim first, so two sweepers never publish the same chunk; a claim whose publisher died
-        # goes back to pending after a minute (release_stale_publishing).
-        with store.session() as s:
-            claimed = (
-                s.connection()
-                .execute(
-                    text(
-                        """UPDATE tidal_batch_chunks SET state = 'publishing', published_at = :now
-                        WHERE batch_id = :b AND chunk_no = :c AND state = 'pending'"""
-                    ),
-                    {"b": bid, "c": chunk_no, "now": time.time()},
-                )
-                .rowcount
+    for page_start in range(0, len(rows), _PAGE):
+        page = rows[page_start : page_start + _PAGE]
+        n, failed = _publish_page(store, publisher, list(page))
+        sent += n
+        if failed:
+            break
+    return sent
+
+
+_PAGE = 200
+_CLAIM = text(
+    """UPDATE tidal_batch_chunks SET state = 'publishing', publish_claim = :t, published_at = :now
+        WHERE batch_id = :b AND chunk_no IN :nos AND state = 'pending'"""
+).bindparams(bindparam("nos", expanding=True))
+_SETTLE = text(
+    """UPDATE tidal_batch_chunks SET state = :new
+        WHERE publish_claim = :t AND state = 'publishing' AND batch_id = :b AND chunk_no IN :nos"""
+).bindparams(bindparam("nos", expanding=True))
+
+
+def _by_batch(items: list[tuple[str, int]]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for bid, chunk_no in items:
+        out.setdefault(bid, []).append(chunk_no)
+    return out
+
+
+def _publish_page(store: Store, publisher: ChunkPublisher, page: list[Any]) -> tuple[int, bool]:
+    """Claim a page of chunks in one statement per batch (two sweepers never publish the same
+    chunk), publish them, then settle them; a claim whose publisher died goes back to pending
+    after a minute (:func:`release_stale_publishing`)."""
+    token = secrets.token_hex(8)
+    with store.session() as s:
+        for bid, nos in _by_batch([(r[0], r[1]) for r in page]).items():
+            s.connection().execute(_CLAIM, {"t": token, "now": time.time(), "b": bid, "nos": nos})
+        claimed = (
+            s.connection()
+            .execute(
+                text(
+                    """SELECT batch_id, chunk_no, queue_lane, priority FROM tidal_batch_chunks
+                        WHERE publish_claim = :t AND state = 'publishing'"""
+                ),
+                {"t": token},
             )
-        if claimed != 1:
+            .all()
+        )
+    mine = {(r[0], r[1]) for r in claimed}
+    done: list[tuple[str, int]] = []
+    failed = False
+    for bid, chunk_no, lane, priority in page:
+        if (bid, chunk_no) not in mine:
             continue
         try:
             publisher.publish(bid, chunk_no, lane=lane, priority=priority)
         except PublishError as exc:
-            _set_chunk_state(store, bid, chunk_no, "publishing", "pending")
             log.warning("%s; will retry", exc)
+            failed = True
             break
-        _set_chunk_state(store, bid, chunk_no, "publishing", "queued")
-        sent += 1
-    return sent
-
-
-def _set_chunk_state(store: Store, batch_id: str, chunk_no: int, old: str, new: str) -> None:
+        done.append((bid, chunk_no))
+    undone = [k for k in mine if k not in set(done)]
     with store.session() as s:
-        s.connection().execute(
-            text(
-                "UPDATE tidal_batch_chunks SET state = :new WHERE batch_id = :b AND chunk_no = :c AND state = :old"
-            ),
-            {"b": batch_id, "c": chunk_no, "old": old, "new": new},
-        )
+        for state, items in (("queued", done), ("pending", undone)):
+            for bid, nos in _by_batch(items).items():
+                s.connection().execute(_SETTLE, {"new": state, "t": token, "b": bid, "nos": nos})
+    return len(done), failed
 
 
 def release_stale_publishing(store: Store, *, now: float, older_than_s: float = 60.0) -> int:

@@ -286,6 +286,7 @@ class BatchChunk(SQLModel, table=True):
     releases: int = 0
     created_at: float = 0.0
     published_at: float | None = None
+    publish_claim: str | None = Field(default=None, max_length=32)
     heartbeat_at: float | None = None
     worker: str | None = Field(default=None, max_length=256)
 

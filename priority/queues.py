@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import urllib.parse
@@ -61,6 +62,9 @@ __all__ = [
     "publish_lane_control",
     "queue_depths",
 ]
+
+# pika logs every connection step at INFO; our short-lived connections would flood the logs.
+logging.getLogger("pika").setLevel(logging.WARNING)
 
 CHUNK_TASK = "tidal.run_chunk"
 LANES: tuple[Lane, ...] = (Lane.RESERVED, Lane.SPOT, Lane.SHARED)

@@ -21,8 +21,6 @@ from workers.runtime import WorkerRuntime
 __all__ = ["run_worker"]
 
 log = logging.getLogger(__name__)
-# pika logs every connection step at INFO; the control listener reconnects on its own.
-logging.getLogger("pika").setLevel(logging.WARNING)
 
 
 def run_worker(
