@@ -75,17 +75,19 @@ def test_tidal_up_completes_a_batch_submitted_with_the_openai_sdk(
         )
         # Then it completes, every line answered once
         assert final.status == "completed", json.dumps(final.model_dump(), default=str)
+        assert proc.poll() is None, out.read_text()[-3000:]
         lines = read_jsonl(client.files.content(final.output_file_id).text)
         assert sorted(x["custom_id"] for x in lines) == sorted(f"r{i}" for i in range(300))
         # And the store lives under the data dir
         assert (tmp_path / "data" / "tidal.db").exists()
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
         log.close()
         with contextlib.suppress(Exception):
             delete_topology(RABBIT_URL, Topology(namespace))
