@@ -480,6 +480,11 @@ class WorkerRuntime:
             if not pools and self.lane == "all":
                 # A laptop fleet without that lane's pools: borrow the first lane that has some.
                 pools = next((p for p in (lane_pools(self.fleet, x) for x in LANES) if p), [])
+        if batch.model is not None:
+            # Prefer the pools that serve the batch's model (or the base of its adapter).
+            adapter = self.fleet.adapter(batch.model)
+            base = adapter.base_model if adapter else batch.model
+            pools = [p for p in pools if p.model == base] or pools
         replicas = [(p, r) for p in pools for r in p.replicas]
         if batch.replica_group is not None:
             replicas = [(p, r) for p, r in replicas if r.group == batch.replica_group]

@@ -80,6 +80,28 @@ def test_tidal_up_completes_a_batch_submitted_with_the_openai_sdk(
         assert sorted(x["custom_id"] for x in lines) == sorted(f"r{i}" for i in range(300))
         # And the store lives under the data dir
         assert (tmp_path / "data" / "tidal.db").exists()
+        # And people get the same from the command line, with progress and the result files
+        cli_env = {**os.environ, "TIDAL_BASE_URL": f"http://127.0.0.1:{port}/v1", "TIDAL_API_KEY": key}
+        (tmp_path / "in.jsonl").write_bytes(chat_lines(40))
+        run = subprocess.run(
+            [sys.executable, "-m", "tidal", "batch", "submit", str(tmp_path / "in.jsonl"), "--priority", "9", "--watch",
+             "--out", str(tmp_path / "results")],
+            cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "completed=40 failed=0 total=40" in run.stdout
+        [written] = list((tmp_path / "results").glob("*_output.jsonl"))
+        assert len(read_jsonl(written.read_text())) == 40
+        (tmp_path / "qa.jsonl").write_text(
+            "".join(json.dumps({"prompt": f"q{i}", "reference": ""}) + "\n" for i in range(5))
+        )
+        run = subprocess.run(
+            [sys.executable, "-m", "tidal", "jobs", "submit", "eval", str(tmp_path / "qa.jsonl"), "--model", "tiny",
+             "--scorer", "contains", "--watch"],
+            cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert '"score": 1.0' in run.stdout
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
