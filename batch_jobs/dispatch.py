@@ -24,7 +24,7 @@ from sqlalchemy import bindparam, text
 
 from batch_jobs.store import Store
 from priority.classes import Lane, rabbitmq_priority
-from priority.queues import CHUNK_TASK, Topology, celery_base_config
+from priority.queues import CHUNK_TASK, Topology, celery_base_config, is_amqp
 from tidal.settings import Settings
 
 __all__ = [
@@ -65,6 +65,12 @@ class CeleryChunkPublisher:
         self.app = app
         self.topology = topology
         self._lock = threading.Lock()
+        # Publisher confirms on this connection only: a chunk counts as queued once RabbitMQ has
+        # it, while Celery's own traffic (task events, remote control) is not slowed by them.
+        options = dict(app.conf.broker_transport_options or {})
+        if is_amqp(str(app.conf.broker_url or "")):
+            options["confirm_publish"] = True
+        self._connection = app.connection_for_write(transport_options=options)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> CeleryChunkPublisher:
@@ -73,25 +79,29 @@ class CeleryChunkPublisher:
     def publish(self, batch_id: str, chunk_no: int, *, lane: str, priority: int) -> None:
         queue = self.topology.kombu_queue(Lane(lane))
         try:
-            self.app.send_task(
-                CHUNK_TASK,
-                args=[batch_id, chunk_no],
-                queue=queue,
-                routing_key=queue.routing_key,
-                exchange=queue.exchange,
-                priority=rabbitmq_priority(priority),
-                retry=True,
-                retry_policy={
-                    "max_retries": 2,
-                    "interval_start": 0.2,
-                    "interval_step": 0.5,
-                    "interval_max": 1,
-                },
-            )
+            with self._lock:  # one connection, many gateway threads
+                self.app.send_task(
+                    CHUNK_TASK,
+                    args=[batch_id, chunk_no],
+                    queue=queue,
+                    routing_key=queue.routing_key,
+                    exchange=queue.exchange,
+                    priority=rabbitmq_priority(priority),
+                    connection=self._connection,
+                    retry=True,
+                    retry_policy={
+                        "max_retries": 2,
+                        "interval_start": 0.2,
+                        "interval_step": 0.5,
+                        "interval_max": 1,
+                    },
+                )
         except Exception as exc:  # kombu/amqp raise many types; all mean "not taken"
             raise PublishError(f"could not publish chunk {batch_id}/{chunk_no}: {exc!r}") from exc
 
     def close(self) -> None:
+        with self._lock:
+            self._connection.release()
         self.app.close()
 
 

@@ -11,6 +11,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, func, text
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlmodel import Session, SQLModel, col, select
 
 from batch_jobs.models import BatchLine, LaneState, RequestCounts, WorkerRecord
@@ -40,7 +43,10 @@ class Store:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        SQLModel.metadata.create_all(engine)
+        _create_schema(engine)
+        # SQLite has one writer at a time and its busy handler backs off in sleeps of up to 100 ms;
+        # threads of one process take turns here instead (other processes still use the handler).
+        self._turn: threading.RLock | None = threading.RLock() if engine.dialect.name == "sqlite" else None
 
     @property
     def dialect(self) -> str:
@@ -53,7 +59,7 @@ class Store:
     @contextmanager
     def session(self) -> Iterator[Session]:
         """A session that commits on success and rolls back on error."""
-        with Session(self.engine, expire_on_commit=False) as s:
+        with self._turn or contextlib.nullcontext(), Session(self.engine, expire_on_commit=False) as s:
             try:
                 yield s
                 s.commit()
@@ -63,6 +69,19 @@ class Store:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def _create_schema(engine: Engine, attempts: int = 5) -> None:
+    """Create missing tables. The gateway and workers start together and may race to create the
+    same table: the loser sees "already exists" and simply checks again."""
+    for attempt in range(attempts):
+        try:
+            SQLModel.metadata.create_all(engine)
+            return
+        except (OperationalError, ProgrammingError, IntegrityError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.1 * (attempt + 1))
 
 
 def make_engine(url: str, *, echo: bool = False) -> Engine:

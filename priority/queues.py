@@ -174,9 +174,7 @@ def celery_base_config(
         "broker_heartbeat": 10,
         "enable_utc": True,
     }
-    if is_amqp(broker_url):
-        conf["broker_transport_options"] = {"confirm_publish": True}
-    elif broker_url.startswith("filesystem://"):
+    if broker_url.startswith("filesystem://"):
         if broker_dir is None:
             raise ValueError("the filesystem broker needs a directory")
         for d in (broker_dir, broker_dir + "-control"):

@@ -20,7 +20,7 @@ from priority.queues import (
     publish_lane_control,
     queue_depths,
 )
-from tests.batch_tier import RABBIT_URL, require_rabbitmq
+from tests.batch_tier import RABBIT_URL, require_rabbitmq, wait_for
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -83,8 +83,13 @@ def test_a_rejected_chunk_dead_letters(topo: Topology, channel) -> None:  # type
     method, _, _ = channel.basic_get(topo.queue("reserved"))
     # When a worker rejects it without requeue (past the delivery limit)
     channel.basic_reject(method.delivery_tag, requeue=False)
-    # Then it sits in the dead-letter queue
-    method, props, body = channel.basic_get(topo.dead_letter_queue, auto_ack=True)
+    # Then it sits in the dead-letter queue (RabbitMQ moves it asynchronously)
+    got = wait_for(
+        lambda: (r := channel.basic_get(topo.dead_letter_queue, auto_ack=True))[2] is not None and r,
+        5,
+        "the dead letter",
+    )
+    _, props, body = got
     assert body == b"chunk"
     assert props.headers["x-death"][0]["queue"] == topo.queue("reserved")
 
