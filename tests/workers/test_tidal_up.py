@@ -113,3 +113,28 @@ def test_tidal_up_completes_a_batch_submitted_with_the_openai_sdk(
         log.close()
         with contextlib.suppress(Exception):
             delete_topology(RABBIT_URL, Topology(namespace))
+
+
+@pytest.mark.parametrize(
+    ("url", "fallback"),
+    [("amqp://guest:guest@127.0.0.1:1//", True), ("filesystem://", False)],
+)
+def test_tidal_up_falls_back_to_an_embedded_broker_and_says_what_it_loses(
+    url: str, fallback: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tidal.cli.up import batch_broker_env
+    from tidal.settings import get_settings
+
+    monkeypatch.setenv("TIDAL_BROKER_URL", url)
+    get_settings.cache_clear()
+    try:
+        env, note = batch_broker_env(tmp_path)
+    finally:
+        get_settings.cache_clear()
+    if fallback:
+        assert env == {"TIDAL_BROKER_URL": "filesystem://", "TIDAL_BROKER_DIR": str(tmp_path / "broker")}
+        assert note is not None
+        for loss in ("priorities", "remote control", "Flower"):
+            assert loss in note
+    else:
+        assert env == {"TIDAL_BROKER_URL": url} and note is None
