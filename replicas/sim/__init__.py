@@ -1,0 +1,12 @@
+"""The simulated vLLM replica: vLLM v1's scheduler and paged KV on a roofline cost model.
+
+* ``engine.SimEngine`` -- one replica's engine on any clock (``presets`` name the hardware);
+* ``virtual.VirtualCluster`` -- N replicas in one process on a discrete-event clock;
+* ``server`` -- the HTTP server behind ``tidal sim`` (vLLM's OpenAI API and ``/metrics``);
+* ``calibrate`` -- the published points the cost model is checked against.
+"""
+
+from replicas.sim.engine import EngineConfig, SimEngine
+from replicas.sim.presets import PRESETS, Preset, get_preset
+
+__all__ = ["PRESETS", "EngineConfig", "Preset", "SimEngine", "get_preset"]
