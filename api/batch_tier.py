@@ -42,35 +42,30 @@ def batch_errors() -> Iterator[None]:
 
 
 def install_batch_tier(state: GatewayState) -> None:
-    """Create the batch services for this gateway and register their start/stop hooks."""
+    """Register the batch tier's start/stop hooks: at start-up the services are created on the
+    state (the store opens, the queues are declared, the maintenance loop starts); an app that
+    never starts (no lifespan) answers the batch routes with 503 and touches nothing."""
     settings = state.settings
-    publisher = CeleryChunkPublisher.from_settings(settings)
-    service = BatchService.from_settings(state.fleet, settings, publisher=publisher)
-    jobs = JobService(service)
-    state.batch = service
-    state.jobs = jobs
-    sweeper = BatchMaintenance(
-        service.store,
-        service.files,
-        clock=service.clock,
-        publisher=publisher,
-        after_final=jobs.after_final,
-        # The embedded broker does not redeliver a dead worker's message: republish its chunk.
-        republish_stale_running_after_s=None if is_amqp(settings.broker_url) else 120.0,
-        extra_steps=[jobs.advance_stuck],
-    )
     task: asyncio.Task[None] | None = None
-
-    async def loop() -> None:
-        while True:
-            try:
-                await run_in_threadpool(sweeper.sweep)
-            except Exception:
-                log.exception("batch maintenance sweep failed")
-            await asyncio.sleep(SWEEP_INTERVAL_S)
+    publisher: CeleryChunkPublisher | None = None
 
     async def start() -> None:
-        nonlocal task
+        nonlocal task, publisher
+        publisher = CeleryChunkPublisher.from_settings(settings)
+        service = await run_in_threadpool(
+            BatchService.from_settings, state.fleet, settings, publisher=publisher
+        )
+        jobs = JobService(service)
+        sweeper = BatchMaintenance(
+            service.store,
+            service.files,
+            clock=service.clock,
+            publisher=publisher,
+            after_final=jobs.after_final,
+            # The embedded broker does not redeliver a dead worker's message: republish its chunk.
+            republish_stale_running_after_s=None if is_amqp(settings.broker_url) else 120.0,
+            extra_steps=[jobs.advance_stuck],
+        )
         if is_amqp(settings.broker_url):
             try:
                 await run_in_threadpool(
@@ -78,6 +73,16 @@ def install_batch_tier(state: GatewayState) -> None:
                 )
             except Exception as exc:  # the broker may come later; publishing retries in the sweep
                 log.warning("could not declare the batch queues yet: %r", exc)
+        state.batch, state.jobs = service, jobs
+
+        async def loop() -> None:
+            while True:
+                try:
+                    await run_in_threadpool(sweeper.sweep)
+                except Exception:
+                    log.exception("batch maintenance sweep failed")
+                await asyncio.sleep(SWEEP_INTERVAL_S)
+
         task = asyncio.create_task(loop(), name="batch-maintenance")
 
     async def stop() -> None:
@@ -85,8 +90,11 @@ def install_batch_tier(state: GatewayState) -> None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        publisher.close()
-        service.store.dispose()
+        if publisher is not None:
+            publisher.close()
+        if state.batch is not None:
+            state.batch.store.dispose()
+        state.batch = state.jobs = None
 
     state.on_startup.append(start)
     state.on_shutdown.append(stop)

@@ -223,6 +223,16 @@ class BatchTier:
             assert proc.poll() is None, f"worker exited:\n{w.log()[-3000:]}"
         return w
 
+    def start_workers(self, lanes: list[str], *, concurrency: int = 2) -> list[WorkerProc]:
+        """Start several workers at once and wait for all (they boot in parallel)."""
+        started = [self.start_worker(lane, concurrency=concurrency, wait_ready=False) for lane in lanes]
+        for w in started:
+            wait_for(
+                lambda w=w: " ready." in w.log() or w.proc.poll() is not None, 60, f"worker {w.lane} to start"
+            )
+            assert w.proc.poll() is None, f"worker exited:\n{w.log()[-3000:]}"
+        return started
+
     def gateway(self, keys: dict[str, tuple[str, bool]] | None = None) -> Any:
         """A TestClient for the gateway (enter it to run the lifespan: the maintenance loop)."""
         from fastapi.testclient import TestClient

@@ -74,7 +74,7 @@ def _status(url: str, auth: tuple[str, str] | None = None) -> int:
 
 def test_flower_shows_the_lanes_workers_behind_basic_auth(tier: BatchTier, tmp_path: Path) -> None:
     chromium = _chromium()
-    workers = [tier.start_worker(lane, concurrency=1) for lane in ("reserved", "spot", "shared")]
+    workers = tier.start_workers(["reserved", "spot", "shared"], concurrency=1)
     port = free_port()
     log = (tmp_path / "flower.log").open("wb")
     flower = subprocess.Popen(
