@@ -9,4 +9,6 @@ from __future__ import annotations
 __all__ = ["BENCHMARKS"]
 
 # name -> "module:function"
-BENCHMARKS: dict[str, str] = {}
+BENCHMARKS: dict[str, str] = {
+    "sim": "bench.sim:run",
+}
