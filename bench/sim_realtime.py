@@ -104,7 +104,7 @@ def realtime_check(
     steps = d.get("tidal_sim_steps_total", 0.0)
     model_s = d.get("tidal_sim_step_model_seconds_total", 0.0)
     actual_s = d.get("tidal_sim_step_actual_seconds_total", 0.0)
-    late = d.get("tidal_sim_late_steps_total", 0.0)
+    late = d.get("tidal_sim_step_lateness_seconds_total", 0.0)
     tokens = stats["events"] - 3 * stats["requests"]
     tpot = sorted(stats["tpot"])
     mean_step = model_s / steps if steps else float("nan")
@@ -120,7 +120,7 @@ def realtime_check(
         "model_step_ms": round(mean_step * 1e3, 2),
         "actual_step_ms": round(actual_s / steps * 1e3, 2) if steps else float("nan"),
         "step_timing_error_pct": round((actual_s / model_s - 1) * 100, 2) if model_s else float("nan"),
-        "late_steps_pct": round(late / steps * 100, 1) if steps else float("nan"),
+        "mean_lateness_ms": round(late / steps * 1e3, 2) if steps else float("nan"),
         "server_cpu_s_per_wall_s": round(d.get("process_cpu_seconds_total", 0.0) / stats["wall"], 2),
         "server_cpu_us_per_token": round(d.get("process_cpu_seconds_total", 0.0) / tokens * 1e6, 1)
         if tokens

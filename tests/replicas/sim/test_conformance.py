@@ -28,7 +28,7 @@ ALLOW_METRIC_FAMILIES = {
     "tidal_sim_steps_total",
     "tidal_sim_step_model_seconds_total",
     "tidal_sim_step_actual_seconds_total",
-    "tidal_sim_late_steps_total",
+    "tidal_sim_step_lateness_seconds_total",
 }
 # Values that are random or depend on the build (ids, timestamps, fingerprints, generated text)
 # are never compared; only key sets and structure are.
