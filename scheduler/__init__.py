@@ -1,2 +1,58 @@
 """Control loops: the batch gate, the autoscaler and its actuators, the health prober, the canary
-controller."""
+controller.
+
+Each is a library object with an injected clock and injected signal sources and actuators
+(``Protocol``s in :mod:`scheduler.signals`, :mod:`scheduler.gate`,
+:mod:`scheduler.autoscaler.actuators`); ``tidal scheduler`` runs them against the gateway's admin
+API and the batch tier, and the virtual-time benchmarks run the same objects.
+
+Example::
+
+    from scheduler import BatchGate, GateController
+
+    gate = BatchGate("interactive", fleet.gate, clock=SystemClock())
+    await GateController([gate], source=gateway_admin, lane=lanes, clock=SystemClock()).run()
+"""
+
+from scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
+from scheduler.gate import (
+    BatchGate,
+    GateController,
+    GateSample,
+    GateState,
+    LaneAck,
+    LaneController,
+    Transition,
+)
+from scheduler.gateway import GatewayAdmin, GatewayError
+from scheduler.health import CanaryGeneration, HealthEvent, HealthProber, Prober, ProbeResult
+from scheduler.metrics import SchedulerMetrics
+from scheduler.signals import GroupLoad, LoadReport, LoadSource, PoolLoad, ReplicaRegistry, ReplicaView
+
+__all__ = [
+    "BatchGate",
+    "CanaryController",
+    "CanaryGeneration",
+    "CanarySpec",
+    "CanaryState",
+    "EvalRunner",
+    "GateController",
+    "GateSample",
+    "GateState",
+    "GatewayAdmin",
+    "GatewayError",
+    "GroupLoad",
+    "HealthEvent",
+    "HealthProber",
+    "LaneAck",
+    "LaneController",
+    "LoadReport",
+    "LoadSource",
+    "PoolLoad",
+    "ProbeResult",
+    "Prober",
+    "ReplicaRegistry",
+    "ReplicaView",
+    "SchedulerMetrics",
+    "Transition",
+]

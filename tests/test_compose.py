@@ -42,3 +42,27 @@ def test_compose_fleet_and_prometheus_config_are_valid() -> None:
     assert fleet.pools["interactive"].shared
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     assert {j["job_name"] for j in prom["scrape_configs"]} >= {"tidal-gateway", "replicas"}
+
+
+def test_kubernetes_manifests_parse() -> None:
+    docs = [
+        d
+        for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
+        for d in yaml.safe_load_all(path.read_text())
+        if d
+    ]
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for name in [
+        "tidal-gateway",
+        "tidal-scheduler",
+        "tidal-worker-reserved",
+        "tidal-worker-spot",
+        "tidal-worker-shared",
+        "tidal-flower",
+        "vllm-interactive",
+    ]:
+        assert ("Deployment", name) in kinds, name
+    fleet_cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    from tidal.fleet import parse_fleet
+
+    parse_fleet(yaml.safe_load(fleet_cm["data"]["fleet.yaml"]), "k8s configmap")

@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     AnyHttpUrl,
+    AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
@@ -44,6 +45,7 @@ __all__ = [
     "FleetConfigError",
     "GateSpec",
     "GatewaySpec",
+    "KubernetesTargetSpec",
     "LaunchSpec",
     "ModelSpec",
     "PluginSpec",
@@ -53,6 +55,7 @@ __all__ = [
     "ProfileSpec",
     "ReplicaSpec",
     "RouterSpec",
+    "ScheduledEventSpec",
     "TenantSpec",
     "hash_api_key",
     "load_fleet",
@@ -127,15 +130,56 @@ class ReplicaSpec(_Strict):
         return str(self.url).rstrip("/")
 
 
+class ScheduledEventSpec(_Strict):
+    """A known future load event (a sale, a cricket match) the autoscaler prepares for.
+
+    During ``[start - lead_s, end)`` the forecast is the learned load times ``multiplier``, or at
+    least ``expected_rps`` when given. Times need a UTC offset, e.g. ``2026-03-08T14:00:00+05:30``.
+    """
+
+    name: Name
+    start: AwareDatetime
+    end: AwareDatetime
+    multiplier: float | None = Field(default=None, gt=0.0, le=1000.0)
+    expected_rps: float | None = Field(default=None, ge=0.0, le=1e9)
+    lead_s: float = Field(default=900.0, ge=0.0, le=7 * 24 * 3600.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ScheduledEventSpec:
+        if self.end <= self.start:
+            raise ValueError("end must be after start")
+        if self.multiplier is None and self.expected_rps is None:
+            raise ValueError("an event needs 'multiplier' or 'expected_rps'")
+        return self
+
+
+class KubernetesTargetSpec(_Strict):
+    """The Deployment whose ``scale`` subresource the Kubernetes actuator sets for a pool; its
+    ready pods are registered with the gateway as ``http://<pod IP>:<port>``."""
+
+    deployment: Name
+    namespace: Name = "default"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
 class AutoscalerSpec(_Strict):
-    """Per-pool autoscaling bounds and the capacity of one replica."""
+    """Per-pool autoscaling: bounds, the capacity of one replica, the decision policy and events.
+
+    ``policy`` names a registered decision plugin (``reactive`` or ``tidal``); ``parameters``
+    are that plugin's, checked strictly when the scheduler starts.
+    """
 
     min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=8, ge=1)
+    max_replicas: int = Field(default=8, ge=1, le=10_000)
     capacity_rps_per_replica: float = Field(default=1.0, gt=0)
     warm_buffer: float = Field(default=0.12, ge=0.0, le=1.0)
-    cold_start_s: float = Field(default=180.0, ge=0.0)
-    scale_down_stabilisation_s: float = Field(default=900.0, ge=0.0)
+    cold_start_s: float = Field(default=180.0, ge=0.0, le=24 * 3600.0)
+    scale_down_stabilisation_s: float = Field(default=900.0, ge=0.0, le=7 * 24 * 3600.0)
+    decision_interval_s: float = Field(default=15.0, gt=0.0, le=3600.0)
+    policy: Name = "tidal"
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    events: list[ScheduledEventSpec] = Field(default_factory=list, max_length=10_000)
+    kubernetes: KubernetesTargetSpec | None = None
 
     @model_validator(mode="after")
     def _check_bounds(self) -> AutoscalerSpec:

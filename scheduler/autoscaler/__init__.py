@@ -1,0 +1,56 @@
+"""The autoscaler: desired replicas per pool from predictive load, a warm buffer and reactive
+signals; fast up, slow down (only in troughs); actuators behind one interface.
+
+Example::
+
+    from scheduler.autoscaler import Autoscaler, Forecaster, GaugeActuator, HourOfWeekProfile, make_policy
+
+    scaler = Autoscaler("interactive", pool.autoscale, make_policy("tidal"), capacity=capacity,
+                        actuator=GaugeActuator(), forecaster=Forecaster(HourOfWeekProfile()), clock=clock)
+
+The local-process and Kubernetes actuators live in ``scheduler.autoscaler.local`` and
+``scheduler.autoscaler.k8s`` (the latter needs the ``k8s`` extra).
+"""
+
+from scheduler.autoscaler.actuators import Actuator, GaugeActuator, PoolReplicas
+from scheduler.autoscaler.capacity import ReplicaCapacity, StaticCapacity
+from scheduler.autoscaler.forecast import (
+    EventCalendar,
+    Forecaster,
+    HourOfWeekProfile,
+    ScheduledEvent,
+    hour_of_week,
+)
+from scheduler.autoscaler.policy import (
+    POLICIES,
+    ReactivePolicy,
+    ScaleDecision,
+    ScaleInput,
+    ScalePolicy,
+    TidalPolicy,
+    make_policy,
+)
+from scheduler.autoscaler.scaler import Autoscaler, AutoscalerLoop, ScaleStep
+
+__all__ = [
+    "POLICIES",
+    "Actuator",
+    "Autoscaler",
+    "AutoscalerLoop",
+    "EventCalendar",
+    "Forecaster",
+    "GaugeActuator",
+    "HourOfWeekProfile",
+    "PoolReplicas",
+    "ReactivePolicy",
+    "ReplicaCapacity",
+    "ScaleDecision",
+    "ScaleInput",
+    "ScalePolicy",
+    "ScaleStep",
+    "ScheduledEvent",
+    "StaticCapacity",
+    "TidalPolicy",
+    "hour_of_week",
+    "make_policy",
+]

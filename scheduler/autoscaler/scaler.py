@@ -1,0 +1,232 @@
+"""The autoscaler: the machinery around a decision policy that always runs.
+
+Per pool, each step it (1) asks the actuator what is ready and what is starting, (2) feeds the
+observed rate to the hour-of-week profile, (3) asks the policy plugin how many replicas are
+needed, (4) clamps to ``[min_replicas, max_replicas]``, (5) stabilises: **up at once**, **down
+slowly** -- only to the largest answer of the last ``scale_down_stabilisation_s`` and only when
+the policy says the pool is in a trough, (6) tells the actuator, and (7) offers the replicas a
+trough leaves idle to batch (``tidal_autoscaler_trough_spare_replicas``).
+
+:class:`AutoscalerLoop` runs every pool's autoscaler every ``decision_interval_s`` from one
+load source. The virtual-time benchmark (``tidal bench autoscale``) drives the same
+:class:`Autoscaler` objects with a virtual clock.
+
+Example::
+
+    scaler = Autoscaler("interactive", spec, make_policy("tidal"), capacity=capacity,
+                        actuator=GaugeActuator(), forecaster=Forecaster(profile, calendar), clock=clock)
+    step = await scaler.step(now_unix, report.pools["interactive"])
+    step.target, step.reason
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from scheduler.autoscaler.actuators import Actuator
+from scheduler.autoscaler.capacity import ReplicaCapacity
+from scheduler.autoscaler.forecast import Forecaster
+from scheduler.autoscaler.policy import ScaleInput, ScalePolicy
+from scheduler.metrics import SchedulerMetrics
+from scheduler.signals import LoadSource, PoolLoad
+from tidal.clock import Clock
+from tidal.fleet import AutoscalerSpec
+
+__all__ = ["Autoscaler", "AutoscalerLoop", "ScaleStep"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleStep:
+    """What one autoscaler step saw and did."""
+
+    pool: str
+    at: float
+    desired: int  # the policy's answer, within bounds
+    target: int  # after stabilisation: what the actuator was asked for
+    ready: int
+    starting: int
+    trough: bool
+    spare: int  # replicas offered to batch
+    predicted_rps: float | None
+    reason: str
+
+
+class Autoscaler:
+    """One pool's autoscaler (see the module docstring)."""
+
+    def __init__(
+        self,
+        pool: str,
+        spec: AutoscalerSpec,
+        policy: ScalePolicy,
+        *,
+        capacity: ReplicaCapacity,
+        actuator: Actuator,
+        clock: Clock,
+        forecaster: Forecaster | None = None,
+        metrics: SchedulerMetrics | None = None,
+        learn: bool = True,
+        lent_to_batch: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.spec = spec
+        self.policy = policy
+        self.capacity = capacity
+        self.actuator = actuator
+        self.clock = clock
+        self.forecaster = forecaster or Forecaster()
+        self.metrics = metrics or SchedulerMetrics()
+        self.learn = learn
+        # Whether the pool is lent to batch right now (the batch gate is open), if known.
+        self.lent_to_batch = lent_to_batch or (lambda pool: False)
+        self.target: int | None = None
+        self._window: deque[tuple[float, int]] = deque()
+        self._sent: int | None = None
+
+    def _forecast(self, start: float, end: float) -> float | None:
+        return self.forecaster.peak(start, end)
+
+    async def step(self, now: float, load: PoolLoad | None) -> ScaleStep:
+        """One decision at wall time ``now`` (Unix seconds) with the pool's current load."""
+        spec = self.spec
+        seen = await self.actuator.observe(self.pool, load)
+        profile = self.forecaster.profile
+        # An event's load is the calendar's business; learning it would count it twice.
+        if (
+            self.learn
+            and load is not None
+            and profile is not None
+            and not self.forecaster.calendar.active(now)
+        ):
+            profile.observe(now, load.requests_per_s)
+        cap = self.capacity.capacity_rps(self.pool)
+        inp = ScaleInput(
+            pool=self.pool,
+            now=now,
+            spec=spec,
+            ready=seen.ready,
+            starting=seen.starting,
+            load=load,
+            capacity_rps=cap,
+            forecast=self._forecast,
+            lent_to_batch=self.lent_to_batch(self.pool),
+        )
+        t0 = time.perf_counter()
+        decision = self.policy.decide(inp)
+        self.metrics.scale_decision_seconds.labels(self.policy.type_name).observe(time.perf_counter() - t0)
+        desired = min(spec.max_replicas, max(spec.min_replicas, decision.replicas))
+
+        mono = self.clock.now()
+        if self.target is None:
+            # What runs at start counts as a recent answer: a restart must not shrink the pool at once.
+            self._window.append((mono, seen.total))
+        self._window.append((mono, desired))
+        while self._window and mono - self._window[0][0] > spec.scale_down_stabilisation_s:
+            self._window.popleft()
+        current = self.target if self.target is not None else seen.total
+        if desired >= current:
+            target = desired  # fast up
+        elif decision.trough:
+            target = max(v for _, v in self._window)  # slow down: the largest recent answer
+        else:
+            target = current
+        target = min(spec.max_replicas, max(spec.min_replicas, target))
+        direction = "up" if target > current else "down" if target < current else "hold"
+        self.metrics.scale_decisions.labels(self.pool, self.policy.type_name, direction).inc()
+        if direction != "hold":
+            log.info(
+                "autoscaler %s: %d -> %d replicas (%s; ready %d, starting %d)",
+                self.pool,
+                current,
+                target,
+                decision.reason,
+                seen.ready,
+                seen.starting,
+            )
+        self.target = target
+
+        if target != self._sent or seen.total != target:
+            try:
+                await self.actuator.scale(self.pool, target)
+                self._sent = target
+            except Exception as exc:  # the next step retries; the loop must survive the actuator
+                self.metrics.actuator_errors.labels(self.pool, self.actuator.name).inc()
+                log.warning("autoscaler %s: actuator %s failed: %s", self.pool, self.actuator.name, exc)
+
+        rps = load.requests_per_s if load is not None else 0.0
+        need_now = math.ceil(rps * (1 + spec.warm_buffer) / cap - 1e-9)
+        spare = max(0, seen.ready - need_now) if decision.trough else 0
+        predicted = decision.parts.get("predicted_rps")
+        predicted = None if predicted is None or math.isnan(predicted) else predicted
+        m = self.metrics
+        m.desired_replicas.labels(self.pool).set(target)
+        m.ready_replicas.labels(self.pool).set(seen.ready)
+        m.starting_replicas.labels(self.pool).set(seen.starting)
+        m.trough_spare.labels(self.pool).set(spare)
+        if predicted is not None:
+            m.predicted_rps.labels(self.pool).set(predicted)
+        return ScaleStep(
+            pool=self.pool,
+            at=now,
+            desired=desired,
+            target=target,
+            ready=seen.ready,
+            starting=seen.starting,
+            trough=decision.trough,
+            spare=spare,
+            predicted_rps=predicted,
+            reason=decision.reason,
+        )
+
+
+class AutoscalerLoop:
+    """Runs every pool's :class:`Autoscaler` from one load source, every ``interval_s``."""
+
+    def __init__(
+        self,
+        scalers: Sequence[Autoscaler],
+        *,
+        source: LoadSource,
+        clock: Clock,
+        interval_s: float | None = None,
+    ) -> None:
+        if not scalers:
+            raise ValueError("no pool to autoscale")
+        self.scalers = list(scalers)
+        self.source = source
+        self.clock = clock
+        self.interval_s = interval_s or min(s.spec.decision_interval_s for s in scalers)
+        self.last: dict[str, ScaleStep] = {}
+
+    async def step(self) -> list[ScaleStep]:
+        """One round; without a load report nothing is decided (the pools keep their size)."""
+        try:
+            report = await self.source.load()
+        except Exception as exc:
+            log.warning("autoscaler: cannot read load, holding: %s", exc)
+            return []
+        steps = []
+        for s in self.scalers:
+            try:
+                step = await s.step(report.time, report.pools.get(s.pool))
+            except Exception as exc:  # e.g. the actuator cannot observe: this pool holds, the others go on
+                s.metrics.actuator_errors.labels(s.pool, s.actuator.name).inc()
+                log.warning("autoscaler %s: step failed, holding: %s", s.pool, exc)
+                continue
+            self.last[s.pool] = step
+            steps.append(step)
+        return steps
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            await self.step()
+            await self.clock.sleep(self.interval_s)
