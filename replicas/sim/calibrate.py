@@ -399,7 +399,10 @@ def fit(max_iter: int = 400) -> Hardware:
     """Nelder-Mead over the shared constants, from the current ones."""
     x0 = _x_from(Hardware())
     n = len(x0)
-    simplex = [x0] + [[v * (1.15 if i == j else 1.0) + (1e-6 if v == 0 and i == j else 0) for j, v in enumerate(x0)] for i in range(n)]  # fmt: skip
+    simplex = [x0] + [
+        [v * (1.15 if i == j else 1.0) + (1e-6 if v == 0 and i == j else 0) for j, v in enumerate(x0)]
+        for i in range(n)
+    ]
     scores = [_loss(s) for s in simplex]
     for it in range(max_iter):
         order = sorted(range(n + 1), key=lambda i: scores[i])

@@ -626,16 +626,54 @@ class SimEngine:
             base,
             self.block_pool.get_usage(),
         )
-        w.counter("vllm:estimated_flops_per_gpu", "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).", [(base, m.flops)])  # fmt: skip
-        w.counter("vllm:estimated_read_bytes_per_gpu", "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations).", [(base, m.read_bytes)])  # fmt: skip
-        w.counter("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations).", [(base, m.write_bytes)])  # fmt: skip
-        w.counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", [(base, stats.queries)])  # fmt: skip
-        w.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", [(base, stats.hits)])  # fmt: skip
-        w.counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", [(base, 0)])  # fmt: skip
-        w.counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", [(base, 0)])  # fmt: skip
-        w.counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.", [(base, 0)])  # fmt: skip
-        w.counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.", [(base, 0)])  # fmt: skip
-        w.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", [(base, sched.num_preemptions)])  # fmt: skip
+        w.counter(
+            "vllm:estimated_flops_per_gpu",
+            "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).",
+            [(base, m.flops)],
+        )
+        w.counter(
+            "vllm:estimated_read_bytes_per_gpu",
+            "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations).",
+            [(base, m.read_bytes)],
+        )
+        w.counter(
+            "vllm:estimated_write_bytes_per_gpu",
+            "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations).",
+            [(base, m.write_bytes)],
+        )
+        w.counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            [(base, stats.queries)],
+        )
+        w.counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            [(base, stats.hits)],
+        )
+        w.counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+            [(base, 0)],
+        )
+        w.counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+            [(base, 0)],
+        )
+        w.counter(
+            "vllm:mm_cache_queries",
+            "Multi-modal cache queries, in terms of number of queried items.",
+            [(base, 0)],
+        )
+        w.counter(
+            "vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.", [(base, 0)]
+        )
+        w.counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            [(base, sched.num_preemptions)],
+        )
         w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", [(base, m.prompt_tokens)])
         w.counter(
             "vllm:prompt_tokens_by_source",
@@ -646,7 +684,11 @@ class SimEngine:
                 ({**base, "source": "external_kv_transfer"}, 0),
             ],
         )
-        w.counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", [(base, m.prompt_tokens_local_cache_hit)])  # fmt: skip
+        w.counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            [(base, m.prompt_tokens_local_cache_hit)],
+        )
         w.counter(
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host "
@@ -658,7 +700,9 @@ class SimEngine:
                 for s in ("device", "host", "p2p", "disk", "external_unspecified")
             ],
         )
-        w.counter("vllm:generation_tokens", "Number of generation tokens processed.", [(base, m.generation_tokens)])  # fmt: skip
+        w.counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", [(base, m.generation_tokens)]
+        )
         w.counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -680,25 +724,70 @@ class SimEngine:
             base,
             m.iteration_tokens,
         )
-        w.hist("vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.", base, m.max_gen)  # fmt: skip
+        w.hist(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            base,
+            m.max_gen,
+        )
         w.hist("vllm:request_params_n", "Histogram of the n request parameter.", base, m.params_n)
-        w.hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", base, m.max_tokens_param)  # fmt: skip
+        w.hist(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            base,
+            m.max_tokens_param,
+        )
         w.hist(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", base, m.ttft
         )
         w.hist(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", base, m.itl
         )
-        w.hist("vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", base, m.tpot)  # fmt: skip
+        w.hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            base,
+            m.tpot,
+        )
         w.hist(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", base, m.e2e
         )
-        w.hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", base, m.queue)  # fmt: skip
-        w.hist("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", base, m.inference)  # fmt: skip
-        w.hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", base, m.prefill)  # fmt: skip
-        w.hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", base, m.decode)  # fmt: skip
-        w.hist("vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.", base, m.num_preemptions_hist)  # fmt: skip
-        w.hist("vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed during prefill (excluding cached tokens).", base, m.prefill_kv_computed)  # fmt: skip
+        w.hist(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            base,
+            m.queue,
+        )
+        w.hist(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            base,
+            m.inference,
+        )
+        w.hist(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            base,
+            m.prefill,
+        )
+        w.hist(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            base,
+            m.decode,
+        )
+        w.hist(
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            base,
+            m.num_preemptions_hist,
+        )
+        w.hist(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            base,
+            m.prefill_kv_computed,
+        )
         if cfg.max_loras > 0:
             w.info_gauge(
                 "vllm:lora_requests_info",

@@ -15,7 +15,13 @@ def test_list_presets_prints_one_name_a_line() -> None:
     result = CliRunner().invoke(cli, ["sim", "--list-presets"])
     assert result.exit_code == 0
     names = result.output.split()
-    assert {"tiny-cpu", "llama-3.1-70b-fp8-h200-tp4", "llama-3.1-70b-fp8-h200-tp8", "llama-3.1-70b-bf16-h100-tp4", "llama-3.1-8b-h100"} <= set(names)  # fmt: skip
+    assert {
+        "tiny-cpu",
+        "llama-3.1-70b-fp8-h200-tp4",
+        "llama-3.1-70b-fp8-h200-tp8",
+        "llama-3.1-70b-bf16-h100-tp4",
+        "llama-3.1-8b-h100",
+    } <= set(names)
     assert len(names) == len(result.output.strip().splitlines())
 
 

@@ -169,7 +169,7 @@ class Script:
                     "model": "tiny",
                     "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
                     "max_tokens": 2,
-                },  # fmt: skip
+                },
             )
             assert resp.status_code == 200, resp.text
         r["prefix_hits_delta"] = self.counter("vllm:prefix_cache_hits_total") - hits0
@@ -247,7 +247,11 @@ def test_simulator_answers_like_real_vllm(vllm_replica: Any, sim_tiny: Any, tiny
     for key in ("unknown_model", "stream_options_without_stream", "max_tokens_too_big", "lora_load_again"):
         same(f"{key} message", real[key].json()["error"]["message"], sim[key].json()["error"]["message"])
     for key in ("lora_load", "lora_unload"):
-        same(f"{key}", (real[key].status_code, real[key].text.replace(salt, "")), (sim[key].status_code, sim[key].text.replace(salt, "")))  # fmt: skip
+        same(
+            f"{key}",
+            (real[key].status_code, real[key].text.replace(salt, "")),
+            (sim[key].status_code, sim[key].text.replace(salt, "")),
+        )
     # The same requests move the prefix-cache counters the same way.
     same("prefix_cache_hits delta", real["prefix_hits_delta"], sim["prefix_hits_delta"])
     same("prefix_cache_queries delta", real["prefix_queries_delta"], sim["prefix_queries_delta"])

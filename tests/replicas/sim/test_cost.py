@@ -32,7 +32,7 @@ def test_the_required_presets_exist() -> None:
         (LLAMA_3_1_70B, 8, 40960),
         (LLAMA_3_1_8B, 1, 131072),
         (LLAMA_3_1_70B_FP8.with_kv_dtype(1.0), 4, 40960),
-    ],  # fmt: skip
+    ],
 )
 def test_kv_bytes_per_token_follow_the_architecture(model: object, tp: int, per_gpu: int) -> None:
     # 2 (K,V) x layers x KV heads per GPU x head_dim x bytes (reference/vllm_api.md section 6).

@@ -116,7 +116,11 @@ def test_bad_input_gets_vllm_status_codes_and_error_shape(sim_server: Any) -> No
         assert raw.status_code == 400 and raw.json()["error"]["type"] == "Bad Request"
         assert httpx.get(sim.url + "/v1/chat/completions").status_code == 405
         assert httpx.get(sim.url + "/nowhere").status_code == 404
-        huge = httpx.post(sim.url + "/v1/completions", content=b"x" * (17 * 1024 * 1024), headers={"Content-Type": "application/json"})  # fmt: skip
+        huge = httpx.post(
+            sim.url + "/v1/completions",
+            content=b"x" * (17 * 1024 * 1024),
+            headers={"Content-Type": "application/json"},
+        )
         assert huge.status_code == 413
 
 
@@ -188,7 +192,9 @@ def test_metrics_page_round_trips_to_the_engine_snapshot(sim_server: Any) -> Non
 def test_error_rate_answers_500_before_any_output(sim_server: Any) -> None:
     with sim_server(preset="tiny-cpu", error_rate=1.0) as sim:
         with pytest.raises(openai.InternalServerError):
-            client(sim).chat.completions.create(model="tiny-cpu", messages=[{"role": "user", "content": "x"}], max_tokens=2)  # fmt: skip
+            client(sim).chat.completions.create(
+                model="tiny-cpu", messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
         r = httpx.post(sim.url + "/v1/completions", json={"prompt": "x", "stream": True})
         assert r.status_code == 500 and r.json()["error"]["code"] == 500
 
@@ -196,7 +202,12 @@ def test_error_rate_answers_500_before_any_output(sim_server: Any) -> None:
 def test_answer_key_and_accuracy(sim_server: Any, tmp_path: Path) -> None:
     key = tmp_path / "key.jsonl"
     prompts = [f"What is {i} plus {i}?" for i in range(40)]
-    key.write_text("".join(json.dumps({"prompt": p, "answer": f"The answer is {2 * i}."}) + "\n" for i, p in enumerate(prompts)))  # fmt: skip
+    key.write_text(
+        "".join(
+            json.dumps({"prompt": p, "answer": f"The answer is {2 * i}."}) + "\n"
+            for i, p in enumerate(prompts)
+        )
+    )
 
     def ask(sim: RunningSim) -> list[bool]:
         c = client(sim)
