@@ -72,13 +72,14 @@ def _buckets_1_2_5(max_value: int) -> tuple[float, ...]:
 class _Hist:
     """A fixed-bucket histogram with cheap bulk updates (per-bucket counts, not cumulative)."""
 
-    __slots__ = ("bounds", "count", "counts", "sum")
+    __slots__ = ("_frozen", "bounds", "count", "counts", "sum")
 
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = tuple(float(b) for b in bounds)
         self.counts = [0] * (len(self.bounds) + 1)
         self.sum = 0.0
         self.count = 0
+        self._frozen: tuple[int, float, Histogram] | None = None
 
     def observe(self, v: float, n: int = 1) -> None:
         self.counts[bisect_left(self.bounds, v)] += n
@@ -112,12 +113,19 @@ class _Hist:
         self.count += k * weight
 
     def to_histogram(self) -> Histogram:
+        # Snapshots are taken often (every scrape, every routing decision): reuse the last one
+        # while nothing was observed since.
+        frozen = self._frozen
+        if frozen is not None and frozen[0] == self.count and frozen[1] == self.sum:
+            return frozen[2]
         cum = 0
         out: list[tuple[float, float]] = []
         for b, c in zip((*self.bounds, math.inf), self.counts, strict=True):
             cum += c
             out.append((b, float(cum)))
-        return Histogram(tuple(out), float(self.sum), float(self.count))
+        h = Histogram(tuple(out), float(self.sum), float(self.count))
+        self._frozen = (self.count, self.sum, h)
+        return h
 
 
 @dataclass(frozen=True)
