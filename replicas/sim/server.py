@@ -73,7 +73,8 @@ class ServerConfig:
     error_rate: float = 0.0
     answer_key: str | None = None
     accuracy: float = 1.0
-    output_len_median: int = 0
+    output_len_median: int = 256
+    natural_stop_always: bool = False
     max_num_queued_reqs: int = 4096
     max_request_bytes: int = 16 * 1024 * 1024
     max_n: int = 16
@@ -754,21 +755,29 @@ class SimServer:
         n: int,
         forced: list[int] | None,
         max_tokens: int,
+        explicit_max: bool,
     ) -> _Group:
-        """Submit the request's ``n`` choices to the engine."""
+        """Submit the request's ``n`` choices to the engine.
+
+        The simulated model ends an answer by itself (finish reason ``stop``) when it has an
+        answer-key answer, or -- unless ``ignore_eos`` -- after its natural length when the
+        request set no ``max_tokens`` (or always, with ``natural_stop_always``).
+        """
         engine = self.engine
         group = _Group(n)
         seed = body.seed if body.seed is not None else self.config.seed
         prompt_key = hash(tuple(prompt_ids[:4096]))
         now = self.model_now()
-        for i, s in enumerate(group.streams):
-            rid = base_id if n == 1 else f"{base_id}_{i}"
+        rids = [base_id] if n == 1 else [f"{base_id}_{i}" for i in range(n)]
+        for rid in rids:
             if rid in engine.scheduler.requests:
                 raise _bad_request(f"request id {rid!r} is already in flight.", "request_id")
+        natural = not body.ignore_eos and (not explicit_max or self.config.natural_stop_always)
+        for i, (s, rid) in enumerate(zip(group.streams, rids, strict=True)):
             stop_after: int | None = None
             if forced is not None:
                 stop_after = len(forced) + 1  # the answer, then the end-of-turn token
-            elif not body.ignore_eos:
+            elif natural:
                 stop_after = self.text_model.natural_length(prompt_key, seed + i)
             if stop_after is not None and body.min_tokens:
                 stop_after = max(stop_after, body.min_tokens)
@@ -980,7 +989,7 @@ class SimServer:
         forced = self.text_model.answer(last_user, req.seed if req.seed is not None else self.config.seed)
         self._admit()
         rid = self._request_id(call.headers, req, "chatcmpl")
-        group = self._start(rid, prompt_ids, req, lora, n, forced, max_tokens)
+        group = self._start(rid, prompt_ids, req, lora, n, forced, max_tokens, requested is not None)
         model = req.model or self.served_names[0]
         return await self._run(group, rid, model, len(prompt_ids), req, call.receive, call.send, chat=True)
 
@@ -1006,7 +1015,8 @@ class SimServer:
         forced = self.text_model.answer(key_prompt, req.seed if req.seed is not None else self.config.seed)
         self._admit()
         rid = self._request_id(call.headers, req, "cmpl")
-        group = self._start(rid, prompt_ids, req, lora, n, forced, max_tokens)
+        explicit = "max_tokens" in req.model_fields_set
+        group = self._start(rid, prompt_ids, req, lora, n, forced, max_tokens, explicit)
         model = req.model or self.served_names[0]
         return await self._run(group, rid, model, len(prompt_ids), req, call.receive, call.send, chat=False)
 

@@ -277,3 +277,28 @@ def test_tokenize_counts_like_the_prompt(sim_server: Any) -> None:
         tok = httpx.post(sim.url + "/tokenize", json={"prompt": "hello world"}).json()
         reply = client(sim).completions.create(model="tiny-cpu", prompt="hello world", max_tokens=1)
     assert reply.usage is not None and tok["count"] == reply.usage.prompt_tokens == len(tok["tokens"])
+
+
+def test_without_max_tokens_the_model_ends_its_answer_by_itself(sim_server: Any) -> None:
+    with sim_server(preset="tiny-cpu", output_len_median=20) as sim:
+        c = client(sim)
+        lengths = []
+        for i in range(8):
+            r = c.chat.completions.create(
+                model="tiny-cpu", messages=[{"role": "user", "content": f"question {i}"}]
+            )
+            assert r.choices[0].finish_reason == "stop" and r.usage is not None
+            lengths.append(r.usage.completion_tokens)
+        # Requests that set max_tokens get them all, unless natural stops are asked for everywhere.
+        full = c.chat.completions.create(
+            model="tiny-cpu", messages=[{"role": "user", "content": "q"}], max_tokens=400
+        )
+        assert full.usage is not None and full.usage.completion_tokens == 400
+    assert all(0 < n < 400 for n in lengths) and len(set(lengths)) > 1
+    with sim_server(preset="tiny-cpu", output_len_median=20, natural_stop_always=True) as sim:
+        r = client(sim).chat.completions.create(
+            model="tiny-cpu", messages=[{"role": "user", "content": "q"}], max_tokens=400
+        )
+        assert (
+            r.choices[0].finish_reason == "stop" and r.usage is not None and r.usage.completion_tokens < 400
+        )
