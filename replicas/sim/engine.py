@@ -538,10 +538,14 @@ class SimEngine:
         if self.config.max_loras <= 0:
             return
         sched = self.scheduler
-        names = {a.lora_id: a.name for a in self.loras.values()}
-        running = ",".join(sorted({names.get(r.lora_id, "") for r in sched.running if r.lora_id} - {""}))
-        waiting = ",".join(sorted({names.get(r.lora_id, "") for r in sched.waiting if r.lora_id} - {""}))
-        key = (running, waiting)
+        if self.loras:
+            names = {a.lora_id: a.name for a in self.loras.values()}
+            running = ",".join(sorted({names.get(r.lora_id, "") for r in sched.running if r.lora_id} - {""}))
+            waiting_ids = {r.lora_id for r in sched.waiting.unordered() if r.lora_id}
+            waiting = ",".join(sorted({names.get(i, "") for i in waiting_ids} - {""}))
+            key = (running, waiting)
+        else:
+            key = ("", "")
         info = self._lora_info
         info[key] = self.wall_clock()
         info.move_to_end(key)
@@ -604,7 +608,7 @@ class SimEngine:
             len(sched.waiting),
         )
         deferred = (
-            sum(1 for r in sched.waiting if r.lora_id in sched.skipped_lora_ids)
+            sum(1 for r in sched.waiting.unordered() if r.lora_id in sched.skipped_lora_ids)
             if sched.skipped_lora_ids
             else 0
         )
