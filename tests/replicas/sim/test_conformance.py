@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -173,6 +174,17 @@ class Script:
             )
             assert resp.status_code == 200, resp.text
         r["prefix_hits_delta"] = self.counter("vllm:prefix_cache_hits_total") - hits0
+        # A client that disconnects mid-stream: its request is aborted (and not counted as done).
+        done0 = self.counter("vllm:request_success_total")
+        body = {**comp, "max_tokens": 3000, "stream": True, "prompt": f"{self.salt} go"}
+        with self.client.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            r["abort_first_line"] = next(lines)[:6]
+        deadline = time.monotonic() + 20
+        while self.counter("vllm:num_requests_running") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r["abort_running_after"] = self.counter("vllm:num_requests_running")
+        r["abort_finished_delta"] = self.counter("vllm:request_success_total") - done0
         r["prefix_queries_delta"] = self.counter("vllm:prefix_cache_queries_total") - queries0
         r["families"] = self.families()
         return r
@@ -255,6 +267,9 @@ def test_simulator_answers_like_real_vllm(vllm_replica: Any, sim_tiny: Any, tiny
     # The same requests move the prefix-cache counters the same way.
     same("prefix_cache_hits delta", real["prefix_hits_delta"], sim["prefix_hits_delta"])
     same("prefix_cache_queries delta", real["prefix_queries_delta"], sim["prefix_queries_delta"])
+    for key in ("abort_first_line", "abort_running_after", "abort_finished_delta"):
+        same(key, real[key], sim[key])
+    assert real["abort_running_after"] == 0
     assert real["prefix_hits_delta"] >= 2 * 128, "the script should hit the prefix cache on real vLLM"
     # Metric families, their types and label names.
     rf, sf = real["families"], {k: v for k, v in sim["families"].items() if k not in ALLOW_METRIC_FAMILIES}
