@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import Any
 
@@ -75,6 +76,7 @@ async def _run(url: str, streams: int, seconds: float, max_tokens: int, prompt_w
     stats: dict[str, Any] = {"requests": 0, "events": 0, "errors": 0, "ttft": [], "tpot": []}
     async with aiohttp.ClientSession() as s:
         before = _sim_counters(await (await s.get(url + "/metrics")).text())
+    stats["load"] = os.getloadavg()[0]
     stop_at = time.perf_counter() + seconds
     t0 = time.perf_counter()
     await asyncio.gather(
@@ -85,6 +87,7 @@ async def _run(url: str, streams: int, seconds: float, max_tokens: int, prompt_w
         after = _sim_counters(await (await s.get(url + "/metrics")).text())
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     stats["wall"] = wall
+    stats["load"] = max(stats["load"], os.getloadavg()[0])
     stats["delta"] = d
     return stats
 
@@ -126,6 +129,7 @@ def realtime_check(
         if tokens
         else 0,
         "client_tpot_ms": round(client_tpot * 1e3, 2),
+        "load_avg_1m": round(stats["load"], 2),
         "client_tpot_error_pct": round((client_tpot / mean_step - 1) * 100, 2)
         if steps and tpot
         else float("nan"),

@@ -33,9 +33,9 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from replicas.sim.engine import SimEngine, StepOutput
+from replicas.sim.engine import SimEngine, StepOutput, _go_float, _labels
 from replicas.sim.request import Request, RequestStatus
 from replicas.sim.tokenizer import AnswerKey, SimTokenizer, TextModel, load_tokenizer, stable_hash
 
@@ -88,6 +88,8 @@ class ServerConfig:
             raise ValueError("error_rate must be within [0, 1]")
         if not 0.0 <= self.accuracy <= 1.0:
             raise ValueError("accuracy must be within [0, 1]")
+        if self.scheduling_policy not in ("priority", "fcfs"):
+            raise ValueError("scheduling_policy must be 'priority' or 'fcfs'")
 
 
 # -- request bodies (validated once per request, as vLLM's pydantic models do) ------------------
@@ -98,7 +100,7 @@ class _Body(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = None
-    stream: StrictBool | None = False
+    stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     n: int | None = 1
     priority: int = 0
@@ -353,8 +355,6 @@ class _HTTPMetrics:
         lo[-1] += dt
 
     def render(self) -> str:
-        from replicas.sim.engine import _go_float, _labels
-
         c = _go_float(self.created)
         out = [
             "# HELP http_requests_total Total number of requests by method, status and handler.",
@@ -831,7 +831,7 @@ class SimServer:
 
     def _sim_metrics(self) -> str:
         # The simulator's own families (not vLLM's): how well the real-time loop keeps time.
-        lbl = f'{{model_name="{self.served_names[0]}"}}'
+        lbl = _labels({"model_name": self.served_names[0]})
         return (
             "# HELP tidal_sim_steps_total Engine steps run by the simulated replica.\n"
             "# TYPE tidal_sim_steps_total counter\n"
