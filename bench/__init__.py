@@ -11,4 +11,5 @@ __all__ = ["BENCHMARKS"]
 # name -> "module:function"
 BENCHMARKS: dict[str, str] = {
     "autoscale": "bench.autoscale:run",
+    "sim": "bench.sim:run",
 }
