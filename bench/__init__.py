@@ -12,4 +12,5 @@ __all__ = ["BENCHMARKS"]
 BENCHMARKS: dict[str, str] = {
     "autoscale": "bench.autoscale:run",
     "batch": "bench.batch:run",
+    "sim": "bench.sim:run",
 }
