@@ -27,8 +27,8 @@ Example::
 
     topo = Topology("tidal")
     declare_topology(settings.broker_url, topo)
-    queue_depths(settings.broker_url, topo)      # {"reserved": 0, "spot": 0, "shared": 12}
-    publish_lane_control(settings.broker_url, topo, "shared", "pause")
+    queue_depths()                          # {"reserved": 0, "spot": 0, "shared": 12}
+    publish_lane_control("shared", "pause")  # broker and namespace from TIDAL_* settings
 """
 
 from __future__ import annotations
@@ -254,8 +254,21 @@ def delete_topology(url: str, topology: Topology) -> None:
         conn.close()
 
 
-def queue_depths(url: str, topology: Topology) -> dict[str, int]:
-    """Messages ready in each lane's queue (passive declare; for the scheduler and autoscaler)."""
+def _where(url: str | None, topology: Topology | None) -> tuple[str, Topology]:
+    if url is not None and topology is not None:
+        return url, topology
+    from tidal.settings import get_settings
+
+    settings = get_settings()
+    return url or settings.broker_url, topology or Topology(settings.queue_namespace)
+
+
+def queue_depths(*, url: str | None = None, topology: Topology | None = None) -> dict[str, int]:
+    """Messages ready in each lane's queue (passive declare; for the scheduler and autoscaler).
+
+    ``url`` and ``topology`` default to ``TIDAL_BROKER_URL`` and ``TIDAL_QUEUE_NAMESPACE``.
+    """
+    url, topology = _where(url, topology)
     conn = pika.BlockingConnection(pika_parameters(url))
     try:
         ch = conn.channel()
@@ -298,9 +311,15 @@ def parse_lane_control(body: bytes) -> LaneControl | None:
     return LaneControl(lane=lane, action=action, id=ident[:64])
 
 
-def publish_lane_control(url: str, topology: Topology, lane: str, action: Action) -> LaneControl:
+def publish_lane_control(
+    lane: str, action: Action, *, url: str | None = None, topology: Topology | None = None
+) -> LaneControl:
     """Tell every running chunk of ``lane`` to pause (abort in-flight lines, requeue the rest) or
-    resume. The scheduler calls this right after flipping the persisted lane state."""
+    resume. The scheduler calls this right after flipping the persisted lane state.
+
+    ``url`` and ``topology`` default to ``TIDAL_BROKER_URL`` and ``TIDAL_QUEUE_NAMESPACE``.
+    """
+    url, topology = _where(url, topology)
     msg = LaneControl(lane=Lane(lane).value, action=action, id=secrets.token_hex(8))
     conn = pika.BlockingConnection(pika_parameters(url))
     try:

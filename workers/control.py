@@ -12,7 +12,7 @@ the other two parts of a pause; the scheduler does all three::
     with store.session() as s:
         set_lane_paused(s, "shared", True, "TTFT p95 over budget")
         hosts = workers_of_lane(s, "shared")
-    publish_lane_control(settings.broker_url, topo, "shared", "pause")
+    publish_lane_control("shared", "pause", url=settings.broker_url, topology=topo)
     ack = pause_lane(app, "shared", workers=hosts, topology=topo)
     assert ack.confirmed
 """
@@ -181,7 +181,7 @@ class LaneSwitch:
             hosts = workers_of_lane(s, lane)
         if self.amqp and self.app is not None:
             publish_lane_control(
-                self.settings.broker_url, self.topology, lane, "pause" if pause else "resume"
+                lane, "pause" if pause else "resume", url=self.settings.broker_url, topology=self.topology
             )
             ack = _switch(self.app, lane, pause=pause, workers=hosts, topology=self.topology, timeout=timeout)
             ack.elapsed_s = time.monotonic() - t0

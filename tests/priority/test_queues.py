@@ -64,7 +64,7 @@ def test_declaring_is_idempotent_and_depths_count_ready_messages(topo: Topology,
     for _ in range(3):
         channel.basic_publish(topo.exchange, topo.queue("spot"), b"{}", pika.BasicProperties(priority=1))
     # Then the depths say so
-    assert queue_depths(RABBIT_URL, topo) == {"reserved": 0, "spot": 3, "shared": 0}
+    assert queue_depths(url=RABBIT_URL, topology=topo) == {"reserved": 0, "spot": 3, "shared": 0}
 
 
 def test_larger_priority_is_delivered_first(topo: Topology, channel) -> None:  # type: ignore[no-untyped-def]
@@ -102,8 +102,8 @@ def test_pause_and_resume_reach_every_listener(topo: Topology, channel) -> None:
         channel.queue_bind(q, topo.control_exchange)
         queues.append(q)
     # When the scheduler pauses the shared lane
-    sent = publish_lane_control(RABBIT_URL, topo, "shared", "pause")
-    publish_lane_control(RABBIT_URL, topo, "shared", "resume")
+    sent = publish_lane_control("shared", "pause", url=RABBIT_URL, topology=topo)
+    publish_lane_control("shared", "resume", url=RABBIT_URL, topology=topo)
     # Then both hear pause then resume
     for q in queues:
         heard = [parse_lane_control(channel.basic_get(q, auto_ack=True)[2]) for _ in range(2)]
@@ -122,3 +122,16 @@ def test_pause_and_resume_reach_every_listener(topo: Topology, channel) -> None:
 )
 def test_malformed_control_messages_are_ignored(body: bytes) -> None:
     assert parse_lane_control(body) is None
+
+
+def test_broker_and_namespace_default_to_the_settings(topo: Topology, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tidal.settings import get_settings
+
+    monkeypatch.setenv("TIDAL_BROKER_URL", RABBIT_URL)
+    monkeypatch.setenv("TIDAL_QUEUE_NAMESPACE", topo.namespace)
+    get_settings.cache_clear()
+    try:
+        assert queue_depths() == {"reserved": 0, "spot": 0, "shared": 0}
+        assert publish_lane_control("shared", "pause").action == "pause"
+    finally:
+        get_settings.cache_clear()

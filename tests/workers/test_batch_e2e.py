@@ -236,7 +236,7 @@ def test_pausing_the_shared_lane_stops_it_within_seconds_and_resume_finishes(tie
             assert _done(client, batch.id) == frozen
             assert frozen < 1200
             assert time.monotonic() - t0 < 6
-            assert queue_depths(RABBIT_URL, topo)["shared"] > 0  # the rest waits, requeued
+            assert queue_depths(url=RABBIT_URL, topology=topo)["shared"] > 0  # the rest waits, requeued
             # And a worker that starts while the lane is paused does not consume it either
             late = tier.start_worker("shared", concurrency=2)
             time.sleep(3.0)
