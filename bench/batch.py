@@ -53,6 +53,7 @@ from batch_jobs.models import BatchCreate, BatchRecord
 from batch_jobs.results import LineResult, record_results
 from batch_jobs.service import BatchService
 from batch_jobs.store import Store
+from bench.traces import find_trace, load_trace
 from priority.queues import Topology, declare_topology, delete_topology, is_amqp
 from replicas.client import ReplicaClient
 from replicas.launcher import ReplicaProcess, sim_process
@@ -71,39 +72,14 @@ class Workload:
     source: str
 
 
-def _find_trace(explicit: str | None) -> Path | None:
-    if explicit:
-        return Path(explicit)
-    for d in [os.environ.get("TIDAL_TRACES_DIR"), str(ROOT.parent / "shared" / "traces")]:
-        if d and (Path(d) / "AzureLLMInferenceTrace_conv.csv").exists():
-            return Path(d) / "AzureLLMInferenceTrace_conv.csv"
-    return None
-
-
-def _trace_lengths(path: Path) -> list[tuple[int, int]]:
-    import csv
-
-    out: list[tuple[int, int]] = []
-    if path.suffix == ".csv":
-        with path.open() as f:
-            for row in csv.DictReader(f):
-                out.append((int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-    else:
-        with path.open() as f:
-            for line in f:
-                obj = json.loads(line)
-                out.append((int(obj["input_length"]), int(obj["output_length"])))
-    return out
-
-
 def load_workload(
     n: int, *, trace: str | None, seed: int, max_prompt: int = 3000, max_output: int = 512
 ) -> Workload:
     """``n`` requests sampled from a trace's lengths (capped to fit the context), or synthetic."""
     rng = random.Random(seed)
-    path = _find_trace(trace)
+    path = Path(trace) if trace else find_trace("AzureLLMInferenceTrace_conv.csv")
     if path is not None and path.exists():
-        lengths = _trace_lengths(path)
+        lengths = [(r.input_length, r.output_length) for r in load_trace(path, seed=seed)]
         picked = [lengths[rng.randrange(len(lengths))] for _ in range(n)]
         reqs = [(max(8, min(p, max_prompt)), max(1, min(o, max_output))) for p, o in picked]
         return Workload(

@@ -124,7 +124,9 @@ def test_malformed_control_messages_are_ignored(body: bytes) -> None:
     assert parse_lane_control(body) is None
 
 
-def test_broker_and_namespace_default_to_the_settings(topo: Topology, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_broker_and_namespace_default_to_the_settings(
+    topo: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tidal.settings import get_settings
 
     monkeypatch.setenv("TIDAL_BROKER_URL", RABBIT_URL)
