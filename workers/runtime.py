@@ -71,7 +71,8 @@ log = logging.getLogger(__name__)
 WORKER_LANES = ("reserved", "spot", "shared", "all")
 HOUSEKEEPING_S = 2.0
 HEARTBEAT_EVERY_S = 5.0
-PAUSE_REQUEUE_DELAY_S = 0.5  # a paused chunk waits a moment so it does not bounce straight back
+PAUSE_REQUEUE_DELAY_S = 0.5
+NO_REPLICA_RETRY_S = 5.0  # a paused chunk waits a moment so it does not bounce straight back
 
 
 def worker_hostname(lane: str) -> str:
@@ -419,18 +420,19 @@ class WorkerRuntime:
         lane = queue_lane if self.lane == "all" else self.lane
         plan = self._plan(batch, lane)
         if not plan.replicas:
-            results = [
-                LineResult.failure(
-                    ln.line_no,
-                    "no_replicas",
-                    f"no replicas for lane {lane!r}, pool {batch.pool!r}, group {batch.replica_group!r}",
-                )
-                for ln in lines
-            ]
-            record_results(self.store, batch_id, results)
-            self._set_chunk(batch_id, chunk_no, "done")
-            self._finalize(batch_id)
-            return "done"
+            # No replica to send to right now (a pool scaled to zero, replicas not registered
+            # yet): keep the work queued rather than failing it; expiry bounds the wait.
+            log.warning(
+                "no replicas for lane %s (pool %s, group %s); chunk %s/%s goes back to the queue",
+                lane,
+                batch.pool,
+                batch.replica_group,
+                batch_id,
+                chunk_no,
+            )
+            self._set_chunk(batch_id, chunk_no, "queued", released=True)
+            time.sleep(NO_REPLICA_RETRY_S)
+            raise Reject("no replicas", requeue=True)
         work = ChunkWork(batch_id, chunk_no, plan.lane, batch.priority, batch.endpoint, lines)
         future = asyncio.run_coroutine_threadsafe(self._execute(work, batch), self._loop)
         outcome: ChunkOutcome = future.result()

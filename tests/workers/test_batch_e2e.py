@@ -282,3 +282,22 @@ def test_a_chunk_past_the_delivery_limit_dead_letters_into_the_error_file(tier: 
             assert depth.method.message_count == 1
         finally:
             conn.close()
+
+
+def test_work_for_a_pool_without_replicas_waits_in_the_queue(tier: BatchTier) -> None:
+    # Given a pool whose replicas are not there (scaled to zero, not registered yet)
+    tier.fleet["pools"]["empty"] = {"kind": "batch", "model": "tiny", "replicas": []}
+    tier.write_fleet()
+    tier.start_worker("reserved", concurrency=1)
+    with tier.gateway({"key-admin": ("ops", True)}) as gw:
+        client = openai_client(gw, "key-admin")
+        # When a batch is pinned to it
+        batch = _submit(client, chat_lines(20), pool="empty")
+        # Then nothing fails: its chunk keeps going back to the queue
+        wait_for(lambda: max(_chunk_deliveries(tier, batch.id)) >= 2, 30, "a redelivery")
+        assert client.batches.retrieve(batch.id).request_counts.failed == 0
+        # And cancelling it accounts for every line
+        client.batches.cancel(batch.id)
+        final = _wait_final(client, batch.id, timeout=30)
+        _, err = _assert_exactly_once(client, final, 20)
+        assert {e["error"]["code"] for e in err} == {"batch_cancelled"}
