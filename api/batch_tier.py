@@ -48,9 +48,11 @@ def install_batch_tier(state: GatewayState) -> None:
     settings = state.settings
     task: asyncio.Task[None] | None = None
     publisher: CeleryChunkPublisher | None = None
+    stopping = asyncio.Event()
 
     async def start() -> None:
         nonlocal task, publisher
+        stopping.clear()
         publisher = CeleryChunkPublisher.from_settings(settings)
         service = await run_in_threadpool(
             BatchService.from_settings, state.fleet, settings, publisher=publisher
@@ -76,20 +78,22 @@ def install_batch_tier(state: GatewayState) -> None:
         state.batch, state.jobs = service, jobs
 
         async def loop() -> None:
-            while True:
+            while not stopping.is_set():
                 try:
                     await run_in_threadpool(sweeper.sweep)
                 except Exception:
                     log.exception("batch maintenance sweep failed")
-                await asyncio.sleep(SWEEP_INTERVAL_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), SWEEP_INTERVAL_S)
 
         task = asyncio.create_task(loop(), name="batch-maintenance")
 
     async def stop() -> None:
+        # Let a sweep in progress finish (its thread holds a database connection) before the
+        # store is closed; cancelling would leave the thread running past dispose().
+        stopping.set()
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await task
         if publisher is not None:
             publisher.close()
         if state.batch is not None:

@@ -222,6 +222,8 @@ class WorkerRuntime:
 
     def close(self) -> None:
         self._closing.set()
+        for t in self._threads:
+            t.join(10)  # a sweep in progress finishes before the store closes
         with contextlib.suppress(Exception), self.store.session() as s:
             unregister_worker(s, self.hostname)
         for rs in list(self._replica_sets.values()):
