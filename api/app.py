@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api.auth import KeyStore
+from api.batch_tier import install_batch_tier
 from api.errors import install_error_handlers
 from api.routes import ROUTERS
 from api.state import GatewayState
@@ -32,6 +33,7 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
         fleet, admin_key=settings.admin_key, dev_key=os.environ.get("TIDAL_DEV_API_KEY")
     )
     state = GatewayState(fleet=fleet, settings=settings, keys=keys)
+    install_batch_tier(state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

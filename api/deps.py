@@ -15,8 +15,19 @@ from fastapi import Depends, Request
 from api.auth import Principal
 from api.errors import APIError
 from api.state import GatewayState
+from batch_jobs.jobs import JobService
+from batch_jobs.service import BatchService
 
-__all__ = ["AdminDep", "PrincipalDep", "StateDep", "get_state", "require_admin", "require_principal"]
+__all__ = [
+    "AdminDep",
+    "BatchDep",
+    "JobsDep",
+    "PrincipalDep",
+    "StateDep",
+    "get_state",
+    "require_admin",
+    "require_principal",
+]
 
 
 def get_state(request: Request) -> GatewayState:
@@ -49,3 +60,21 @@ def require_admin(principal: PrincipalDep) -> Principal:
 
 
 AdminDep = Annotated[Principal, Depends(require_admin)]
+
+
+def get_batch_service(state: StateDep) -> BatchService:
+    if state.batch is None:
+        raise APIError(503, "The batch tier is not enabled on this gateway.", code="batch_disabled")
+    return state.batch
+
+
+BatchDep = Annotated[BatchService, Depends(get_batch_service)]
+
+
+def get_job_service(state: StateDep) -> JobService:
+    if state.jobs is None:
+        raise APIError(503, "The batch tier is not enabled on this gateway.", code="batch_disabled")
+    return state.jobs
+
+
+JobsDep = Annotated[JobService, Depends(get_job_service)]

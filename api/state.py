@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from api.auth import KeyStore
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
+
+if TYPE_CHECKING:
+    from batch_jobs.jobs import JobService
+    from batch_jobs.service import BatchService
 
 __all__ = ["GatewayState", "LifecycleHook"]
 
@@ -30,3 +35,6 @@ class GatewayState:
     metrics: CollectorRegistry = field(default_factory=CollectorRegistry)
     on_startup: list[LifecycleHook] = field(default_factory=list)
     on_shutdown: list[LifecycleHook] = field(default_factory=list)
+    # The batch tier (api/batch_tier.py): files, batches and jobs.
+    batch: BatchService | None = None
+    jobs: JobService | None = None

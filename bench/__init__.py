@@ -11,5 +11,6 @@ __all__ = ["BENCHMARKS"]
 # name -> "module:function"
 BENCHMARKS: dict[str, str] = {
     "autoscale": "bench.autoscale:run",
+    "batch": "bench.batch:run",
     "sim": "bench.sim:run",
 }

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.routes import health
+from api.routes import batches, files, health, jobs
 
 __all__ = ["ROUTERS"]
 
 ROUTERS: list[APIRouter] = [health.router]
+ROUTERS += [files.router, batches.router, jobs.router]
