@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from api.auth import KeyStore
+from api.batch_tier import install_batch_tier
 from api.errors import install_error_handlers
 from api.interactive import InteractiveService
 from api.limits import BodyLimit, BodyTooLarge, body_too_large
@@ -48,6 +49,7 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
     state.interactive = InteractiveService(fleet, settings, state.metrics)
     state.on_startup.append(state.interactive.startup)
     state.on_shutdown.append(state.interactive.shutdown)
+    install_batch_tier(state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -67,7 +69,8 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
     )
     app.state.tidal = state
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_body_bytes=fleet.gateway.max_body_bytes)
+    # File uploads have their own limit (TIDAL_MAX_FILE_BYTES, enforced as they stream in).
+    app.add_middleware(BodyLimit, max_body_bytes=fleet.gateway.max_body_bytes, exempt=("/v1/files",))
     app.add_exception_handler(BodyTooLarge, body_too_large)
     for router in ROUTERS:
         app.include_router(router)

@@ -19,10 +19,14 @@ from api.auth import Principal
 from api.errors import APIError
 from api.interactive import InteractiveService
 from api.state import GatewayState
+from batch_jobs.jobs import JobService
+from batch_jobs.service import BatchService
 
 __all__ = [
     "AdminDep",
+    "BatchDep",
     "InteractiveDep",
+    "JobsDep",
     "PrincipalDep",
     "StateDep",
     "get_interactive",
@@ -71,3 +75,21 @@ async def get_interactive(state: StateDep) -> InteractiveService:
 
 
 InteractiveDep = Annotated[InteractiveService, Depends(get_interactive)]
+
+
+async def get_batch_service(state: StateDep) -> BatchService:
+    if state.batch is None:
+        raise APIError(503, "The batch tier is not enabled on this gateway.", code="batch_disabled")
+    return state.batch
+
+
+BatchDep = Annotated[BatchService, Depends(get_batch_service)]
+
+
+async def get_job_service(state: StateDep) -> JobService:
+    if state.jobs is None:
+        raise APIError(503, "The batch tier is not enabled on this gateway.", code="batch_disabled")
+    return state.jobs
+
+
+JobsDep = Annotated[JobService, Depends(get_job_service)]

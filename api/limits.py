@@ -1,7 +1,8 @@
 """Request size limit as pure ASGI middleware (no per-request task, no wrapping of ``send``).
 
 A body larger than ``max_body_bytes`` -- by its ``Content-Length``, or as it arrives -- gets an
-OpenAI-shaped 413 before any handler parses it: the first case is answered here, the second
+OpenAI-shaped 413 before any handler parses it (paths under ``exempt`` -- file uploads, which
+enforce their own, larger limit -- pass through): the first case is answered here, the second
 raises :class:`BodyTooLarge` from ``receive`` while FastAPI reads the body, and the error
 handlers turn it into the same 413.
 """
@@ -35,12 +36,13 @@ async def body_too_large(request: Request, exc: Exception) -> Response:
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, exempt: tuple[str, ...] = ()) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.exempt = exempt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (self.exempt and scope["path"].startswith(self.exempt)):
             await self.app(scope, receive, send)
             return
         limit = self.max_body_bytes

@@ -14,6 +14,8 @@ from tidal.settings import Settings
 
 if TYPE_CHECKING:
     from api.interactive import InteractiveService
+    from batch_jobs.jobs import JobService
+    from batch_jobs.service import BatchService
 
 __all__ = ["GatewayState", "LifecycleHook"]
 
@@ -36,3 +38,6 @@ class GatewayState:
     on_shutdown: list[LifecycleHook] = field(default_factory=list)
     # The interactive path (api/interactive.py): registry, router, admission, proxy.
     interactive: InteractiveService | None = None
+    # The batch tier (api/batch_tier.py): files, batches and jobs.
+    batch: BatchService | None = None
+    jobs: JobService | None = None

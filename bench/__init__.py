@@ -13,4 +13,6 @@ BENCHMARKS: dict[str, str] = {
     "autoscale": "bench.autoscale:run",
     "routing": "bench.routing:run",
     "gateway": "bench.gateway:run",
+    "batch": "bench.batch:run",
+    "sim": "bench.sim:run",
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import Any
 
@@ -75,6 +76,7 @@ async def _run(url: str, streams: int, seconds: float, max_tokens: int, prompt_w
     stats: dict[str, Any] = {"requests": 0, "events": 0, "errors": 0, "ttft": [], "tpot": []}
     async with aiohttp.ClientSession() as s:
         before = _sim_counters(await (await s.get(url + "/metrics")).text())
+    stats["load"] = os.getloadavg()[0]
     stop_at = time.perf_counter() + seconds
     t0 = time.perf_counter()
     await asyncio.gather(
@@ -85,6 +87,7 @@ async def _run(url: str, streams: int, seconds: float, max_tokens: int, prompt_w
         after = _sim_counters(await (await s.get(url + "/metrics")).text())
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     stats["wall"] = wall
+    stats["load"] = max(stats["load"], os.getloadavg()[0])
     stats["delta"] = d
     return stats
 
@@ -104,7 +107,7 @@ def realtime_check(
     steps = d.get("tidal_sim_steps_total", 0.0)
     model_s = d.get("tidal_sim_step_model_seconds_total", 0.0)
     actual_s = d.get("tidal_sim_step_actual_seconds_total", 0.0)
-    late = d.get("tidal_sim_late_steps_total", 0.0)
+    late = d.get("tidal_sim_step_lateness_seconds_total", 0.0)
     tokens = stats["events"] - 3 * stats["requests"]
     tpot = sorted(stats["tpot"])
     mean_step = model_s / steps if steps else float("nan")
@@ -120,12 +123,13 @@ def realtime_check(
         "model_step_ms": round(mean_step * 1e3, 2),
         "actual_step_ms": round(actual_s / steps * 1e3, 2) if steps else float("nan"),
         "step_timing_error_pct": round((actual_s / model_s - 1) * 100, 2) if model_s else float("nan"),
-        "late_steps_pct": round(late / steps * 100, 1) if steps else float("nan"),
+        "mean_lateness_ms": round(late / steps * 1e3, 2) if steps else float("nan"),
         "server_cpu_s_per_wall_s": round(d.get("process_cpu_seconds_total", 0.0) / stats["wall"], 2),
         "server_cpu_us_per_token": round(d.get("process_cpu_seconds_total", 0.0) / tokens * 1e6, 1)
         if tokens
         else 0,
         "client_tpot_ms": round(client_tpot * 1e3, 2),
+        "load_avg_1m": round(stats["load"], 2),
         "client_tpot_error_pct": round((client_tpot / mean_step - 1) * 100, 2)
         if steps and tpot
         else float("nan"),

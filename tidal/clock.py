@@ -18,7 +18,7 @@ import itertools
 import time
 from typing import Protocol
 
-__all__ = ["Clock", "ManualClock", "SystemClock"]
+__all__ = ["Clock", "ManualClock", "SystemClock", "WallClock"]
 
 
 class Clock(Protocol):
@@ -34,6 +34,19 @@ class SystemClock:
 
     def now(self) -> float:
         return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))
+
+
+class WallClock:
+    """Real wall-clock time (Unix seconds), for timestamps users see, e.g. a batch's ``expires_at``.
+
+    A :class:`ManualClock` started at a Unix time stands in for it in tests.
+    """
+
+    def now(self) -> float:
+        return time.time()
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))

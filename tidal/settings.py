@@ -45,6 +45,14 @@ class Settings(BaseSettings):
     chunk_lines: int = Field(default=50, gt=0, le=10_000)
     soft_shutdown_s: float = Field(default=20.0, ge=0)
     delivery_limit: int = Field(default=10, ge=1, le=1000)
+    # Prefix of every queue and exchange of the batch tier, so that several deployments (and
+    # test runs) can share one broker: <ns>.reserved, <ns>.spot, <ns>.shared, <ns>.dead, ...
+    queue_namespace: str = Field(default="tidal", pattern=r"^[a-z][a-z0-9_-]{0,39}$")
+    # A chunk stops sending new lines after this long and requeues the rest: it stays far below
+    # RabbitMQ's consumer_timeout (30 min), which would otherwise close the channel.
+    chunk_time_limit_s: float = Field(default=300.0, gt=0, le=1500)
+    # Where the embedded broker (used when RabbitMQ is unreachable) keeps its messages.
+    broker_dir: Path | None = None
 
     # Security
     admin_key: str | None = None
@@ -70,6 +78,10 @@ class Settings(BaseSettings):
     @property
     def resolved_files_dir(self) -> Path:
         return self.files_dir or self.data_dir / "files"
+
+    @property
+    def resolved_broker_dir(self) -> Path:
+        return self.broker_dir or self.data_dir / "broker"
 
 
 @lru_cache(maxsize=1)

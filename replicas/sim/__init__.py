@@ -8,5 +8,15 @@
 
 from replicas.sim.engine import EngineConfig, SimEngine
 from replicas.sim.presets import PRESETS, Preset, get_preset
+from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
 
-__all__ = ["PRESETS", "EngineConfig", "Preset", "SimEngine", "get_preset"]
+__all__ = [
+    "PRESETS",
+    "EngineConfig",
+    "Preset",
+    "SimEngine",
+    "SimRequest",
+    "SimResult",
+    "VirtualCluster",
+    "get_preset",
+]

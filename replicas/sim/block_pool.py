@@ -197,9 +197,16 @@ class BlockPool:
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} free blocks from the pool")
         ret = self.free_block_queue.popleft_n(num_blocks)
+        cache = self.cached_block_hash_to_block
         for block in ret:
-            if block.block_hash is not None:
-                self._evict(block)
+            h = block.block_hash
+            if h is not None:
+                if cache.get(h) is block:  # the common case, inlined: no duplicates
+                    del cache[h]
+                    block.block_hash = None
+                    self.num_evictions += 1
+                else:
+                    self._evict(block)
             block.ref_cnt = 1
         return ret
 
@@ -250,14 +257,17 @@ class BlockPool:
         evict_last: list[KVCacheBlock] = []
         caching = self.enable_caching
         for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0 and not block.is_null:
+            n = block.ref_cnt - 1
+            block.ref_cnt = n
+            if n == 0 and not block.is_null:
                 if block.block_hash is None or not caching:
                     evict_first.append(block)
                 else:
                     evict_last.append(block)
-        self.free_block_queue.prepend_n(evict_first)
-        self.free_block_queue.append_n(evict_last)
+        if evict_first:
+            self.free_block_queue.prepend_n(evict_first)
+        if evict_last:
+            self.free_block_queue.append_n(evict_last)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""

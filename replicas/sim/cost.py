@@ -118,24 +118,28 @@ class Device:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """The constants fitted once, shared by all GPU presets (see calibrate.py)."""
+    """The constants fitted once, shared by all GPU presets (see calibrate.py).
 
-    mfu_bf16: float = 0.62  # fraction of dense BF16 peak reached by large GEMMs
-    mfu_fp8: float = 0.50  # fraction of dense FP8 peak (FP8 GEMMs reach a smaller fraction)
-    mfu_attention: float = 0.45  # flash attention on prefills, fraction of BF16 peak
-    knee: float = 4.0  # p of the p-norm smooth max at the memory/compute knee
-    step_overhead_s: float = 1.6e-3  # scheduler, sampling, input prep, launch
-    layer_overhead_s: float = 22e-6  # per layer per step
-    seq_overhead_s: float = 6e-6  # per sequence in the batch per step
-    allreduce_hop_s: float = 2.3e-6  # latency per ring hop: an all-reduce on tp GPUs takes 2(tp-1) hops
-    allreduce_bw_efficiency: float = 0.55  # achieved / NVLink bandwidth for large all-reduces
+    Fitted with ``python -m replicas.sim.calibrate --fit`` (Nelder-Mead on the squared log
+    error of every calibration point that is not a documented exception), then rounded.
+    """
+
+    mfu_bf16: float = 0.80  # fraction of dense BF16 peak reached by the large GEMMs of a prefill
+    mfu_fp8: float = 0.48  # fraction of dense FP8 peak (FP8 GEMMs reach a smaller fraction)
+    mfu_attention: float = 0.80  # flash attention on prefills, fraction of BF16 peak
+    knee: float = 4.0  # p of the p-norm smooth max at the memory/compute knee (not fitted)
+    step_overhead_s: float = 1.06e-3  # scheduler, sampling, input preparation, launch
+    layer_overhead_s: float = 53e-6  # per layer per step: norms, rotary, small kernels
+    seq_overhead_s: float = 0.2e-6  # per sequence in the batch per step
+    allreduce_hop_s: float = 1.48e-6  # latency per ring hop: an all-reduce on tp GPUs takes 2(tp-1) hops
+    allreduce_bw_efficiency: float = 0.95  # achieved / NVLink bandwidth for large all-reduces
 
 
 # -- datasheets ---------------------------------------------------------------------------------
 # H100 SXM: 80 GiB HBM3 at 3.35 TB/s; H200 SXM: 141 GB (143,771 MiB) HBM3e at 4.8 TB/s; both the
 # GH100 die: 989 TFLOP/s dense BF16, 1,979 FP8; NVLink 900 GB/s bidirectional (450 per direction).
-H100 = Device("H100-SXM", 80 * GiB, 3.35e12, 989e12, 1979e12, 450e9, bw_efficiency=0.85)
-H200 = Device("H200-SXM", 143771 * 1024**2, 4.8e12, 989e12, 1979e12, 450e9, bw_efficiency=0.77)
+H100 = Device("H100-SXM", 80 * GiB, 3.35e12, 989e12, 1979e12, 450e9, bw_efficiency=0.881)
+H200 = Device("H200-SXM", 143771 * 1024**2, 4.8e12, 989e12, 1979e12, 450e9, bw_efficiency=0.862)
 # The 2-core CPU that runs the real tiny vLLM in tests: about 1 ms per step whatever the batch.
 CPU_TINY = Device(
     "cpu",

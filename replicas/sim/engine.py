@@ -72,13 +72,14 @@ def _buckets_1_2_5(max_value: int) -> tuple[float, ...]:
 class _Hist:
     """A fixed-bucket histogram with cheap bulk updates (per-bucket counts, not cumulative)."""
 
-    __slots__ = ("bounds", "count", "counts", "sum")
+    __slots__ = ("_frozen", "bounds", "count", "counts", "sum")
 
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = tuple(float(b) for b in bounds)
         self.counts = [0] * (len(self.bounds) + 1)
         self.sum = 0.0
         self.count = 0
+        self._frozen: tuple[int, float, Histogram] | None = None
 
     def observe(self, v: float, n: int = 1) -> None:
         self.counts[bisect_left(self.bounds, v)] += n
@@ -112,12 +113,19 @@ class _Hist:
         self.count += k * weight
 
     def to_histogram(self) -> Histogram:
+        # Snapshots are taken often (every scrape, every routing decision): reuse the last one
+        # while nothing was observed since.
+        frozen = self._frozen
+        if frozen is not None and frozen[0] == self.count and frozen[1] == self.sum:
+            return frozen[2]
         cum = 0
         out: list[tuple[float, float]] = []
         for b, c in zip((*self.bounds, math.inf), self.counts, strict=True):
             cum += c
             out.append((b, float(cum)))
-        return Histogram(tuple(out), float(self.sum), float(self.count))
+        h = Histogram(tuple(out), float(self.sum), float(self.count))
+        self._frozen = (self.count, self.sum, h)
+        return h
 
 
 @dataclass(frozen=True)
@@ -530,10 +538,14 @@ class SimEngine:
         if self.config.max_loras <= 0:
             return
         sched = self.scheduler
-        names = {a.lora_id: a.name for a in self.loras.values()}
-        running = ",".join(sorted({names.get(r.lora_id, "") for r in sched.running if r.lora_id} - {""}))
-        waiting = ",".join(sorted({names.get(r.lora_id, "") for r in sched.waiting if r.lora_id} - {""}))
-        key = (running, waiting)
+        if self.loras:
+            names = {a.lora_id: a.name for a in self.loras.values()}
+            running = ",".join(sorted({names.get(r.lora_id, "") for r in sched.running if r.lora_id} - {""}))
+            waiting_ids = {r.lora_id for r in sched.waiting.unordered() if r.lora_id}
+            waiting = ",".join(sorted({names.get(i, "") for i in waiting_ids} - {""}))
+            key = (running, waiting)
+        else:
+            key = ("", "")
         info = self._lora_info
         info[key] = self.wall_clock()
         info.move_to_end(key)
@@ -596,7 +608,7 @@ class SimEngine:
             len(sched.waiting),
         )
         deferred = (
-            sum(1 for r in sched.waiting if r.lora_id in sched.skipped_lora_ids)
+            sum(1 for r in sched.waiting.unordered() if r.lora_id in sched.skipped_lora_ids)
             if sched.skipped_lora_ids
             else 0
         )
@@ -626,16 +638,54 @@ class SimEngine:
             base,
             self.block_pool.get_usage(),
         )
-        w.counter("vllm:estimated_flops_per_gpu", "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).", [(base, m.flops)])  # fmt: skip
-        w.counter("vllm:estimated_read_bytes_per_gpu", "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations).", [(base, m.read_bytes)])  # fmt: skip
-        w.counter("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations).", [(base, m.write_bytes)])  # fmt: skip
-        w.counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", [(base, stats.queries)])  # fmt: skip
-        w.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", [(base, stats.hits)])  # fmt: skip
-        w.counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", [(base, 0)])  # fmt: skip
-        w.counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", [(base, 0)])  # fmt: skip
-        w.counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.", [(base, 0)])  # fmt: skip
-        w.counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.", [(base, 0)])  # fmt: skip
-        w.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", [(base, sched.num_preemptions)])  # fmt: skip
+        w.counter(
+            "vllm:estimated_flops_per_gpu",
+            "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).",
+            [(base, m.flops)],
+        )
+        w.counter(
+            "vllm:estimated_read_bytes_per_gpu",
+            "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations).",
+            [(base, m.read_bytes)],
+        )
+        w.counter(
+            "vllm:estimated_write_bytes_per_gpu",
+            "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations).",
+            [(base, m.write_bytes)],
+        )
+        w.counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            [(base, stats.queries)],
+        )
+        w.counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            [(base, stats.hits)],
+        )
+        w.counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+            [(base, 0)],
+        )
+        w.counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+            [(base, 0)],
+        )
+        w.counter(
+            "vllm:mm_cache_queries",
+            "Multi-modal cache queries, in terms of number of queried items.",
+            [(base, 0)],
+        )
+        w.counter(
+            "vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.", [(base, 0)]
+        )
+        w.counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            [(base, sched.num_preemptions)],
+        )
         w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", [(base, m.prompt_tokens)])
         w.counter(
             "vllm:prompt_tokens_by_source",
@@ -646,7 +696,11 @@ class SimEngine:
                 ({**base, "source": "external_kv_transfer"}, 0),
             ],
         )
-        w.counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", [(base, m.prompt_tokens_local_cache_hit)])  # fmt: skip
+        w.counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            [(base, m.prompt_tokens_local_cache_hit)],
+        )
         w.counter(
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host "
@@ -658,7 +712,9 @@ class SimEngine:
                 for s in ("device", "host", "p2p", "disk", "external_unspecified")
             ],
         )
-        w.counter("vllm:generation_tokens", "Number of generation tokens processed.", [(base, m.generation_tokens)])  # fmt: skip
+        w.counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", [(base, m.generation_tokens)]
+        )
         w.counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -680,25 +736,70 @@ class SimEngine:
             base,
             m.iteration_tokens,
         )
-        w.hist("vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.", base, m.max_gen)  # fmt: skip
+        w.hist(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            base,
+            m.max_gen,
+        )
         w.hist("vllm:request_params_n", "Histogram of the n request parameter.", base, m.params_n)
-        w.hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", base, m.max_tokens_param)  # fmt: skip
+        w.hist(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            base,
+            m.max_tokens_param,
+        )
         w.hist(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", base, m.ttft
         )
         w.hist(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", base, m.itl
         )
-        w.hist("vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", base, m.tpot)  # fmt: skip
+        w.hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            base,
+            m.tpot,
+        )
         w.hist(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", base, m.e2e
         )
-        w.hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", base, m.queue)  # fmt: skip
-        w.hist("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", base, m.inference)  # fmt: skip
-        w.hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", base, m.prefill)  # fmt: skip
-        w.hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", base, m.decode)  # fmt: skip
-        w.hist("vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.", base, m.num_preemptions_hist)  # fmt: skip
-        w.hist("vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed during prefill (excluding cached tokens).", base, m.prefill_kv_computed)  # fmt: skip
+        w.hist(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            base,
+            m.queue,
+        )
+        w.hist(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            base,
+            m.inference,
+        )
+        w.hist(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            base,
+            m.prefill,
+        )
+        w.hist(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            base,
+            m.decode,
+        )
+        w.hist(
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            base,
+            m.num_preemptions_hist,
+        )
+        w.hist(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            base,
+            m.prefill_kv_computed,
+        )
         if cfg.max_loras > 0:
             w.info_gauge(
                 "vllm:lora_requests_info",

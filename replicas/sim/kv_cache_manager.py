@@ -131,9 +131,18 @@ class KVCacheManager:
             return
         hashes = request.ensure_block_hashes(num_full)
         blocks = self.req_to_blocks[rid]
-        cache_full_block = self.block_pool.cache_full_block
+        pool = self.block_pool
+        cache = pool.cached_block_hash_to_block
         for i in range(done, num_full):
-            cache_full_block(blocks[i], hashes[i])
+            b = blocks[i]
+            if b.block_hash is not None:
+                continue  # a prefix hit: already cached
+            h = hashes[i]
+            if h in cache:
+                pool.cache_full_block(b, h)  # a duplicate: the map keeps both
+            else:
+                b.block_hash = h
+                cache[h] = b
         self.num_cached_block[rid] = num_full
 
     def free(self, request: Request) -> None:

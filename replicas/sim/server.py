@@ -33,9 +33,9 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from replicas.sim.engine import SimEngine, StepOutput
+from replicas.sim.engine import SimEngine, StepOutput, _go_float, _labels
 from replicas.sim.request import Request, RequestStatus
 from replicas.sim.tokenizer import AnswerKey, SimTokenizer, TextModel, load_tokenizer, stable_hash
 
@@ -73,7 +73,8 @@ class ServerConfig:
     error_rate: float = 0.0
     answer_key: str | None = None
     accuracy: float = 1.0
-    output_len_median: int = 0
+    output_len_median: int = 256
+    natural_stop_always: bool = False
     max_num_queued_reqs: int = 4096
     max_request_bytes: int = 16 * 1024 * 1024
     max_n: int = 16
@@ -87,6 +88,8 @@ class ServerConfig:
             raise ValueError("error_rate must be within [0, 1]")
         if not 0.0 <= self.accuracy <= 1.0:
             raise ValueError("accuracy must be within [0, 1]")
+        if self.scheduling_policy not in ("priority", "fcfs"):
+            raise ValueError("scheduling_policy must be 'priority' or 'fcfs'")
 
 
 # -- request bodies (validated once per request, as vLLM's pydantic models do) ------------------
@@ -97,7 +100,7 @@ class _Body(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = None
-    stream: StrictBool | None = False
+    stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     n: int | None = 1
     priority: int = 0
@@ -297,8 +300,28 @@ class _Group:
 
 _HTTP_EXCLUDED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})
 _HIGHR_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0,
-)  # fmt: skip
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    3.5,
+    4.0,
+    4.5,
+    5.0,
+    7.5,
+    10.0,
+    30.0,
+    60.0,
+)
 _LOWR_BUCKETS = (0.1, 0.5, 1.0)
 
 
@@ -332,8 +355,6 @@ class _HTTPMetrics:
         lo[-1] += dt
 
     def render(self) -> str:
-        from replicas.sim.engine import _go_float, _labels
-
         c = _go_float(self.created)
         out = [
             "# HELP http_requests_total Total number of requests by method, status and handler.",
@@ -354,12 +375,12 @@ class _HTTPMetrics:
                 "http_request_size_bytes",
                 "Content length of incoming requests by handler. Only value of header is respected. Otherwise ignored. No percentile calculated. ",
                 self.req_size,
-            ),  # fmt: skip
+            ),
             (
                 "http_response_size_bytes",
                 "Content length of outgoing responses by handler. Only value of header is respected. Otherwise ignored. No percentile calculated. ",
                 self.resp_size,
-            ),  # fmt: skip
+            ),
         ):
             out += [f"# HELP {name} {what}", f"# TYPE {name} summary"]
             for h, (cnt, total) in d.items():
@@ -413,7 +434,19 @@ def _process_metrics() -> str:
 
 # -- the server --------------------------------------------------------------------------------
 
-Handler = Callable[[Scope, bytes, Mapping[str, str], Receive, Send], Awaitable[tuple[int, int]]]
+
+@dataclass(slots=True)
+class _Call:
+    """One HTTP request as a handler sees it (the body already read, within the size limit)."""
+
+    scope: Scope
+    body: bytes
+    headers: Mapping[str, str]
+    receive: Receive
+    send: Send
+
+
+Handler = Callable[[_Call], Awaitable[tuple[int, int]]]
 
 
 class SimServer:
@@ -460,7 +493,7 @@ class SimServer:
         self.steps = 0
         self.model_step_seconds = 0.0
         self.wall_step_seconds = 0.0
-        self.late_steps = 0
+        self.lateness_seconds = 0.0
         self.routes: dict[tuple[str, str], Handler] = {
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics,
@@ -521,7 +554,7 @@ class SimServer:
             if method == "POST":
                 body = await self._read_body(receive, headers)
                 size_in = len(body)
-            status, size_out = await handler(scope, body, headers, receive, send)
+            status, size_out = await handler(_Call(scope, body, headers, receive, send))
         except HTTPError as err:
             status, size_out = await _respond(send, err.status, err.body(), _JSON)
         finally:
@@ -608,8 +641,7 @@ class SimServer:
                 self.model_step_seconds += step.duration
                 # The step really took from the previous step's end (or from now, after idling).
                 self.wall_step_seconds += actual_end - (prev_end if prev_end is not None else now)
-                if actual_end - end > 0.05 * step.duration:
-                    self.late_steps += 1
+                self.lateness_seconds += max(0.0, actual_end - end)
                 self._deliver(engine.end_step(step, end), step)
                 nominal = end
                 prev_end = actual_end
@@ -723,21 +755,29 @@ class SimServer:
         n: int,
         forced: list[int] | None,
         max_tokens: int,
+        explicit_max: bool,
     ) -> _Group:
-        """Submit the request's ``n`` choices to the engine."""
+        """Submit the request's ``n`` choices to the engine.
+
+        The simulated model ends an answer by itself (finish reason ``stop``) when it has an
+        answer-key answer, or -- unless ``ignore_eos`` -- after its natural length when the
+        request set no ``max_tokens`` (or always, with ``natural_stop_always``).
+        """
         engine = self.engine
         group = _Group(n)
         seed = body.seed if body.seed is not None else self.config.seed
         prompt_key = hash(tuple(prompt_ids[:4096]))
         now = self.model_now()
-        for i, s in enumerate(group.streams):
-            rid = base_id if n == 1 else f"{base_id}_{i}"
+        rids = [base_id] if n == 1 else [f"{base_id}_{i}" for i in range(n)]
+        for rid in rids:
             if rid in engine.scheduler.requests:
                 raise _bad_request(f"request id {rid!r} is already in flight.", "request_id")
+        natural = not body.ignore_eos and (not explicit_max or self.config.natural_stop_always)
+        for i, (s, rid) in enumerate(zip(group.streams, rids, strict=True)):
             stop_after: int | None = None
             if forced is not None:
                 stop_after = len(forced) + 1  # the answer, then the end-of-turn token
-            elif not body.ignore_eos:
+            elif natural:
                 stop_after = self.text_model.natural_length(prompt_key, seed + i)
             if stop_after is not None and body.min_tokens:
                 stop_after = max(stop_after, body.min_tokens)
@@ -770,15 +810,15 @@ class SimServer:
 
     # -- handlers --------------------------------------------------------------------------------
 
-    async def _health(self, scope: Scope, body: bytes, headers: Mapping[str, str], receive: Receive, send: Send) -> tuple[int, int]:  # fmt: skip
+    async def _health(self, call: _Call) -> tuple[int, int]:
         if self._dead is not None:
-            return await _respond(send, 503, b"", [])
-        return await _respond(send, 200, b"", [])
+            return await _respond(call.send, 503, b"", [])
+        return await _respond(call.send, 200, b"", [])
 
-    async def _version(self, scope: Scope, body: bytes, headers: Mapping[str, str], receive: Receive, send: Send) -> tuple[int, int]:  # fmt: skip
-        return await _respond(send, 200, json.dumps({"version": SIM_VERSION}).encode(), _JSON)
+    async def _version(self, call: _Call) -> tuple[int, int]:
+        return await _respond(call.send, 200, json.dumps({"version": SIM_VERSION}).encode(), _JSON)
 
-    async def _metrics(self, scope: Scope, body: bytes, headers: Mapping[str, str], receive: Receive, send: Send) -> tuple[int, int]:  # fmt: skip
+    async def _metrics(self, call: _Call) -> tuple[int, int]:
         text = (
             _process_metrics()
             + self.http_metrics.render()
@@ -786,12 +826,12 @@ class SimServer:
             + self._sim_metrics()
         )
         return await _respond(
-            send, 200, text.encode(), [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
+            call.send, 200, text.encode(), [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
         )
 
     def _sim_metrics(self) -> str:
         # The simulator's own families (not vLLM's): how well the real-time loop keeps time.
-        lbl = f'{{model_name="{self.served_names[0]}"}}'
+        lbl = _labels({"model_name": self.served_names[0]})
         return (
             "# HELP tidal_sim_steps_total Engine steps run by the simulated replica.\n"
             "# TYPE tidal_sim_steps_total counter\n"
@@ -802,12 +842,12 @@ class SimServer:
             "# HELP tidal_sim_step_actual_seconds_total Step time actually taken (model seconds).\n"
             "# TYPE tidal_sim_step_actual_seconds_total counter\n"
             f"tidal_sim_step_actual_seconds_total{lbl} {self.wall_step_seconds!r}\n"
-            "# HELP tidal_sim_late_steps_total Steps that ended more than 5% after their deadline.\n"
-            "# TYPE tidal_sim_late_steps_total counter\n"
-            f"tidal_sim_late_steps_total{lbl} {self.late_steps}\n"
+            "# HELP tidal_sim_step_lateness_seconds_total How late steps ended after their deadline (model seconds).\n"
+            "# TYPE tidal_sim_step_lateness_seconds_total counter\n"
+            f"tidal_sim_step_lateness_seconds_total{lbl} {self.lateness_seconds!r}\n"
         )
 
-    async def _models(self, scope: Scope, body: bytes, headers: Mapping[str, str], receive: Receive, send: Send) -> tuple[int, int]:  # fmt: skip
+    async def _models(self, call: _Call) -> tuple[int, int]:
         now = int(time.time())
         root = self.config.root or self.engine.preset.model.name
 
@@ -841,7 +881,10 @@ class SimServer:
         data = [card(n, root, None, self.max_model_len) for n in self.served_names]
         data += [card(a.name, a.path, self.served_names[0], None) for a in self.engine.loras.values()]
         return await _respond(
-            send, 200, json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode(), _JSON
+            call.send,
+            200,
+            json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode(),
+            _JSON,
         )
 
     def _parse(self, body: bytes, headers: Mapping[str, str], model: type[BaseModel]) -> Any:
@@ -863,8 +906,8 @@ class SimServer:
         except ValidationError as exc:
             raise _validation_error(exc) from None
 
-    async def _tokenize(self, scope: Scope, body: bytes, headers: Mapping[str, str], receive: Receive, send: Send) -> tuple[int, int]:  # fmt: skip
-        req: _TokenizeBody = self._parse(body, headers, _TokenizeBody)
+    async def _tokenize(self, call: _Call) -> tuple[int, int]:
+        req: _TokenizeBody = self._parse(call.body, call.headers, _TokenizeBody)
         self._resolve_model(req.model)
         if req.messages is not None:
             text = self.tokenizer.render_chat([_message_dict(m) for m in req.messages])
@@ -874,16 +917,16 @@ class SimServer:
             raise _bad_request("Either `prompt` or `messages` must be given.", "prompt")
         ids = self.tokenizer.encode(text)
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}
-        return await _respond(send, 200, json.dumps(out, separators=(",", ":")).encode(), _JSON)
+        return await _respond(call.send, 200, json.dumps(out, separators=(",", ":")).encode(), _JSON)
 
-    async def _detokenize(self, scope: Scope, body: bytes, headers: Mapping[str, str], receive: Receive, send: Send) -> tuple[int, int]:  # fmt: skip
-        req: _DetokenizeBody = self._parse(body, headers, _DetokenizeBody)
+    async def _detokenize(self, call: _Call) -> tuple[int, int]:
+        req: _DetokenizeBody = self._parse(call.body, call.headers, _DetokenizeBody)
         self._resolve_model(req.model)
         text = self.tokenizer.decode(req.tokens[: self.max_model_len])
-        return await _respond(send, 200, json.dumps({"prompt": text}).encode(), _JSON)
+        return await _respond(call.send, 200, json.dumps({"prompt": text}).encode(), _JSON)
 
-    async def _load_lora(self, scope: Scope, body: bytes, headers: Mapping[str, str], receive: Receive, send: Send) -> tuple[int, int]:  # fmt: skip
-        req: _LoadLoRABody = self._parse(body, headers, _LoadLoRABody)
+    async def _load_lora(self, call: _Call) -> tuple[int, int]:
+        req: _LoadLoRABody = self._parse(call.body, call.headers, _LoadLoRABody)
         name = req.lora_name
         if not name or not req.lora_path:
             raise HTTPError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
@@ -907,15 +950,15 @@ class SimServer:
         # NOTE: the path is recorded, never read: no request may make the simulator touch files.
         self.engine.load_lora(name, req.lora_path)
         msg = f"Success: LoRA adapter '{name}' added successfully."
-        return await _respond(send, 200, msg.encode(), [])
+        return await _respond(call.send, 200, msg.encode(), [])
 
-    async def _unload_lora(self, scope: Scope, body: bytes, headers: Mapping[str, str], receive: Receive, send: Send) -> tuple[int, int]:  # fmt: skip
-        req: _UnloadLoRABody = self._parse(body, headers, _UnloadLoRABody)
+    async def _unload_lora(self, call: _Call) -> tuple[int, int]:
+        req: _UnloadLoRABody = self._parse(call.body, call.headers, _UnloadLoRABody)
         if req.lora_name not in self.engine.loras:
             raise HTTPError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError")
         self.engine.unload_lora(req.lora_name)
         msg = f"Success: LoRA adapter '{req.lora_name}' removed successfully."
-        return await _respond(send, 200, msg.encode(), [])
+        return await _respond(call.send, 200, msg.encode(), [])
 
     def _common_checks(self, req: _Body) -> int:
         self._check_alive()
@@ -933,8 +976,8 @@ class SimServer:
             raise _bad_request(f"n must be at most {self.config.max_n} on this replica, got {n}.", "n", n)
         return n
 
-    async def _chat(self, scope: Scope, body: bytes, headers: Mapping[str, str], receive: Receive, send: Send) -> tuple[int, int]:  # fmt: skip
-        req: _ChatBody = self._parse(body, headers, _ChatBody)
+    async def _chat(self, call: _Call) -> tuple[int, int]:
+        req: _ChatBody = self._parse(call.body, call.headers, _ChatBody)
         n = self._common_checks(req)
         lora = self._resolve_model(req.model)
         messages = [_message_dict(m) for m in req.messages]
@@ -945,13 +988,13 @@ class SimServer:
         last_user = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), None)
         forced = self.text_model.answer(last_user, req.seed if req.seed is not None else self.config.seed)
         self._admit()
-        rid = self._request_id(headers, req, "chatcmpl")
-        group = self._start(rid, prompt_ids, req, lora, n, forced, max_tokens)
+        rid = self._request_id(call.headers, req, "chatcmpl")
+        group = self._start(rid, prompt_ids, req, lora, n, forced, max_tokens, requested is not None)
         model = req.model or self.served_names[0]
-        return await self._run(group, rid, model, len(prompt_ids), req, receive, send, chat=True)
+        return await self._run(group, rid, model, len(prompt_ids), req, call.receive, call.send, chat=True)
 
-    async def _completions(self, scope: Scope, body: bytes, headers: Mapping[str, str], receive: Receive, send: Send) -> tuple[int, int]:  # fmt: skip
-        req: _CompletionBody = self._parse(body, headers, _CompletionBody)
+    async def _completions(self, call: _Call) -> tuple[int, int]:
+        req: _CompletionBody = self._parse(call.body, call.headers, _CompletionBody)
         n = self._common_checks(req)
         lora = self._resolve_model(req.model)
         prompts = _prompt_list(req.prompt)
@@ -971,13 +1014,14 @@ class SimServer:
         max_tokens = self._max_tokens(req.max_tokens, len(prompt_ids))
         forced = self.text_model.answer(key_prompt, req.seed if req.seed is not None else self.config.seed)
         self._admit()
-        rid = self._request_id(headers, req, "cmpl")
-        group = self._start(rid, prompt_ids, req, lora, n, forced, max_tokens)
+        rid = self._request_id(call.headers, req, "cmpl")
+        explicit = "max_tokens" in req.model_fields_set
+        group = self._start(rid, prompt_ids, req, lora, n, forced, max_tokens, explicit)
         model = req.model or self.served_names[0]
-        return await self._run(group, rid, model, len(prompt_ids), req, receive, send, chat=False)
+        return await self._run(group, rid, model, len(prompt_ids), req, call.receive, call.send, chat=False)
 
-    async def _embeddings(self, scope: Scope, body: bytes, headers: Mapping[str, str], receive: Receive, send: Send) -> tuple[int, int]:  # fmt: skip
-        req: _EmbeddingBody = self._parse(body, headers, _EmbeddingBody)
+    async def _embeddings(self, call: _Call) -> tuple[int, int]:
+        req: _EmbeddingBody = self._parse(call.body, call.headers, _EmbeddingBody)
         self._check_alive()
         self._resolve_model(req.model)
         inputs = [self.tokenizer.encode(x) if isinstance(x, str) else x for x in _prompt_list(req.input)]
@@ -985,13 +1029,15 @@ class SimServer:
             raise _bad_request("input must hold between 1 and 2048 items.", "input")
         dim = self.engine.preset.model.hidden_size
         if req.dimensions is not None and req.dimensions != dim:
-            raise _bad_request(f"Model does not support matryoshka representation, dimensions must be {dim}.", "dimensions")  # fmt: skip
+            raise _bad_request(
+                f"Model does not support matryoshka representation, dimensions must be {dim}.", "dimensions"
+            )
         for ids in inputs:
             if not ids:
                 raise _bad_request("Input cannot be empty.", "input")
             self._max_tokens(None, len(ids))
         self._admit()
-        base = f"embd-{headers.get('x-request-id') or secrets.token_hex(8)}"
+        base = f"embd-{call.headers.get('x-request-id') or secrets.token_hex(8)}"
         engine = self.engine
         group = _Group(len(inputs))
         now = self.model_now()
@@ -1002,7 +1048,7 @@ class SimServer:
             engine.add_request(r, now)
         assert self._wake is not None
         self._wake.set()
-        disconnected = _watch_disconnect(receive, lambda: self._abort(group))
+        disconnected = _watch_disconnect(call.receive, lambda: self._abort(group))
         try:
             while not all(s.done for s in group.streams):
                 await group.wait()
@@ -1024,9 +1070,9 @@ class SimServer:
                 "total_tokens": total,
                 "completion_tokens": 0,
                 "prompt_tokens_details": None,
-            },  # fmt: skip
+            },
         }
-        return await _respond(send, 200, json.dumps(out, separators=(",", ":")).encode(), _JSON)
+        return await _respond(call.send, 200, json.dumps(out, separators=(",", ":")).encode(), _JSON)
 
     # -- generation responses ------------------------------------------------------------------
 
@@ -1061,7 +1107,9 @@ class SimServer:
             disconnected.cancel()
             self._abort(group)  # no-op unless the handler ended early
 
-    async def _full(self, group: _Group, rid: str, model: str, prompt_len: int, send: Send, *, chat: bool) -> tuple[int, int]:  # fmt: skip
+    async def _full(
+        self, group: _Group, rid: str, model: str, prompt_len: int, send: Send, *, chat: bool
+    ) -> tuple[int, int]:
         choices = []
         completion = 0
         for s in group.streams:
@@ -1084,7 +1132,7 @@ class SimServer:
                             "audio": None,
                             "function_call": None,
                             "reasoning": None,
-                        },  # fmt: skip
+                        },
                         "logprobs": None,
                         "finish_reason": s.finish_reason,
                         "stop_reason": None,
@@ -1128,7 +1176,9 @@ class SimServer:
         out.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
         return await _respond(send, 200, json.dumps(out, separators=(",", ":")).encode(), _JSON)
 
-    async def _stream(self, group: _Group, rid: str, model: str, prompt_len: int, req: _Body, send: Send, *, chat: bool) -> tuple[int, int]:  # fmt: skip
+    async def _stream(
+        self, group: _Group, rid: str, model: str, prompt_len: int, req: _Body, send: Send, *, chat: bool
+    ) -> tuple[int, int]:
         opts = req.stream_options or {}
         include_usage = bool(opts.get("include_usage"))
         continuous = include_usage and bool(opts.get("continuous_usage_stats"))
@@ -1178,7 +1228,7 @@ class SimServer:
                     usage = ""
                     if continuous:
                         u = sum(counts)
-                        usage = f',"usage":{{"prompt_tokens":{prompt_len},"total_tokens":{prompt_len + u},"completion_tokens":{u}}}'  # fmt: skip
+                        usage = f',"usage":{{"prompt_tokens":{prompt_len},"total_tokens":{prompt_len + u},"completion_tokens":{u}}}'
                     if last:
                         fp = "" if include_usage else f',"system_fingerprint":"{self.fingerprint}"'
                         reason = json.dumps(s.finish_reason)

@@ -34,8 +34,9 @@ Fault and quality injection (for canary and health tests):
 
 Times in /metrics are model seconds (wall seconds times --time-scale). LoRA adapters loaded
 with /v1/load_lora_adapter occupy up to --max-loras slots; their lora_path is recorded, never
-read. Requests without ignore_eos stop by themselves after a log-normal number of tokens when
---output-len-median is set (0, the default: they run to max_tokens)."""
+read. A request that sets max_tokens gets exactly that many tokens (unless --natural-stop-always);
+one without max_tokens ends, like a real model, after a log-normal number of tokens around
+--output-len-median (finish_reason "stop") instead of running to the context length."""
 
 
 @click.group(invoke_without_command=True, help=_HELP, context_settings={"max_content_width": 100})
@@ -125,10 +126,15 @@ read. Requests without ignore_eos stop by themselves after a log-normal number o
 )
 @click.option(
     "--output-len-median",
-    default=0,
+    default=256,
     show_default=True,
     type=click.IntRange(0, 1 << 20),
-    help="Median natural answer length in tokens (0: run to max_tokens).",
+    help="Median natural answer length (log-normal) of requests without max_tokens; 0: none.",
+)
+@click.option(
+    "--natural-stop-always",
+    is_flag=True,
+    help="Also end requests that set max_tokens at their natural length (unless ignore_eos).",
 )
 @click.option(
     "--max-num-queued-reqs",
@@ -163,6 +169,7 @@ def sim(
     answer_key: Path | None,
     accuracy: float,
     output_len_median: int,
+    natural_stop_always: bool,
     max_num_queued_reqs: int,
     api_key: str | None,
 ) -> None:
@@ -201,6 +208,7 @@ def sim(
             answer_key=str(answer_key) if answer_key else None,
             accuracy=accuracy,
             output_len_median=output_len_median,
+            natural_stop_always=natural_stop_always,
             max_num_queued_reqs=max_num_queued_reqs,
             api_key=api_key,
         )

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-__all__ = ["Part", "plan_parts", "up"]
+__all__ = ["Part", "batch_broker_env", "plan_parts", "up"]
 
 
 @dataclass
@@ -43,6 +43,36 @@ def _available(command: str) -> bool:
     from tidal.cli import LazyGroup
 
     return LazyGroup._load(command) is not None
+
+
+def batch_broker_env(data_dir: Path) -> tuple[dict[str, str], str | None]:
+    """The batch tier's broker for ``tidal up``: RabbitMQ when reachable, else an embedded one.
+
+    Returns the environment for every part and, for the fallback, what it costs.
+    """
+    import socket
+    import urllib.parse
+
+    from tidal.settings import get_settings
+
+    url = get_settings().broker_url
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("amqp", "pyamqp", "amqps"):
+        return {"TIDAL_BROKER_URL": url}, None
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), timeout=1.0):
+            return {"TIDAL_BROKER_URL": url}, None
+    except OSError:
+        pass
+    env = {"TIDAL_BROKER_URL": "filesystem://", "TIDAL_BROKER_DIR": str(data_dir / "broker")}
+    note = (
+        f"RabbitMQ is not reachable at {parts.hostname}:{parts.port or 5672}; the batch tier uses an embedded "
+        "broker (kombu filesystem:// under the data dir) instead. Batches still complete, but it loses: "
+        "message priorities (batches run in arrival order), remote control (the scheduler cannot pause "
+        "the shared lane through Celery; workers still follow the persisted lane state), and Flower "
+        "(not started). Start RabbitMQ on 127.0.0.1:5672 for the full tier."
+    )
+    return env, note
 
 
 def plan_parts(
@@ -160,13 +190,27 @@ def plan_parts(
     help="Where the SQLite store, uploaded files and logs go.",
 )
 @click.option(
+    "--flower-port",
+    default=5555,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Port of Flower, the batch tier's UI.",
+)
+@click.option(
     "--ready-timeout",
     default=240.0,
     show_default=True,
     type=float,
     help="Seconds to wait for each part to become healthy.",
 )
-def up(port: int, api_key: str | None, config: Path | None, data_dir: Path, ready_timeout: float) -> None:
+def up(
+    port: int,
+    api_key: str | None,
+    config: Path | None,
+    data_dir: Path,
+    flower_port: int,
+    ready_timeout: float,
+) -> None:
     """Run the whole platform locally on embedded defaults: simulated replicas, gateway, batch
     workers, scheduler and Flower. Prints where each part listens; Ctrl-C stops everything.
 
@@ -181,6 +225,15 @@ def up(port: int, api_key: str | None, config: Path | None, data_dir: Path, read
     data_dir.mkdir(parents=True, exist_ok=True)
     logs = data_dir / "logs"
     parts = plan_parts(fleet_path, port=port, api_key=key, data_dir=data_dir.resolve(), admin_key=admin_key)
+    broker_env, broker_note = batch_broker_env(data_dir.resolve())
+    for part in parts:
+        part.env.update(broker_env)
+        if part.command == "flower":
+            part.args = ["--port", str(flower_port)]
+            part.port = flower_port
+    if broker_note:
+        click.echo(f"tidal up: {broker_note}")
+        parts = [p for p in parts if p.command != "flower"]
 
     stop = threading.Event()
 

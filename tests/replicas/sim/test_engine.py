@@ -82,7 +82,11 @@ def test_lora_info_shows_running_and_waiting_adapters() -> None:
     e.end_step(out, out.duration)
     snap = e.snapshot()
     assert snap.running_lora_adapters == {"a"} and snap.waiting_lora_adapters == {"b"}
-    waiting = {s.labels["reason"]: s.value for s in parse_samples(e.render_metrics()) if s.name == "vllm:num_requests_waiting_by_reason"}  # fmt: skip
+    waiting = {
+        s.labels["reason"]: s.value
+        for s in parse_samples(e.render_metrics())
+        if s.name == "vllm:num_requests_waiting_by_reason"
+    }
     assert waiting == {"capacity": 0.0, "deferred": 1.0}
 
 
@@ -101,7 +105,11 @@ def test_natural_stop_finishes_with_reason_stop() -> None:
     add(e, "a", [1] * 10, 50, stop_after=5)
     add(e, "b", [2] * 10, 5)
     run_to_end(e)
-    reasons = {s.labels["finished_reason"]: s.value for s in parse_samples(e.render_metrics()) if s.name == "vllm:request_success_total"}  # fmt: skip
+    reasons = {
+        s.labels["finished_reason"]: s.value
+        for s in parse_samples(e.render_metrics())
+        if s.name == "vllm:request_success_total"
+    }
     assert reasons["stop"] == 1 and reasons["length"] == 1
 
 

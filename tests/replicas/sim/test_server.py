@@ -116,7 +116,11 @@ def test_bad_input_gets_vllm_status_codes_and_error_shape(sim_server: Any) -> No
         assert raw.status_code == 400 and raw.json()["error"]["type"] == "Bad Request"
         assert httpx.get(sim.url + "/v1/chat/completions").status_code == 405
         assert httpx.get(sim.url + "/nowhere").status_code == 404
-        huge = httpx.post(sim.url + "/v1/completions", content=b"x" * (17 * 1024 * 1024), headers={"Content-Type": "application/json"})  # fmt: skip
+        huge = httpx.post(
+            sim.url + "/v1/completions",
+            content=b"x" * (17 * 1024 * 1024),
+            headers={"Content-Type": "application/json"},
+        )
         assert huge.status_code == 413
 
 
@@ -188,7 +192,9 @@ def test_metrics_page_round_trips_to_the_engine_snapshot(sim_server: Any) -> Non
 def test_error_rate_answers_500_before_any_output(sim_server: Any) -> None:
     with sim_server(preset="tiny-cpu", error_rate=1.0) as sim:
         with pytest.raises(openai.InternalServerError):
-            client(sim).chat.completions.create(model="tiny-cpu", messages=[{"role": "user", "content": "x"}], max_tokens=2)  # fmt: skip
+            client(sim).chat.completions.create(
+                model="tiny-cpu", messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
         r = httpx.post(sim.url + "/v1/completions", json={"prompt": "x", "stream": True})
         assert r.status_code == 500 and r.json()["error"]["code"] == 500
 
@@ -196,7 +202,12 @@ def test_error_rate_answers_500_before_any_output(sim_server: Any) -> None:
 def test_answer_key_and_accuracy(sim_server: Any, tmp_path: Path) -> None:
     key = tmp_path / "key.jsonl"
     prompts = [f"What is {i} plus {i}?" for i in range(40)]
-    key.write_text("".join(json.dumps({"prompt": p, "answer": f"The answer is {2 * i}."}) + "\n" for i, p in enumerate(prompts)))  # fmt: skip
+    key.write_text(
+        "".join(
+            json.dumps({"prompt": p, "answer": f"The answer is {2 * i}."}) + "\n"
+            for i, p in enumerate(prompts)
+        )
+    )
 
     def ask(sim: RunningSim) -> list[bool]:
         c = client(sim)
@@ -266,3 +277,28 @@ def test_tokenize_counts_like_the_prompt(sim_server: Any) -> None:
         tok = httpx.post(sim.url + "/tokenize", json={"prompt": "hello world"}).json()
         reply = client(sim).completions.create(model="tiny-cpu", prompt="hello world", max_tokens=1)
     assert reply.usage is not None and tok["count"] == reply.usage.prompt_tokens == len(tok["tokens"])
+
+
+def test_without_max_tokens_the_model_ends_its_answer_by_itself(sim_server: Any) -> None:
+    with sim_server(preset="tiny-cpu", output_len_median=20) as sim:
+        c = client(sim)
+        lengths = []
+        for i in range(8):
+            r = c.chat.completions.create(
+                model="tiny-cpu", messages=[{"role": "user", "content": f"question {i}"}]
+            )
+            assert r.choices[0].finish_reason == "stop" and r.usage is not None
+            lengths.append(r.usage.completion_tokens)
+        # Requests that set max_tokens get them all, unless natural stops are asked for everywhere.
+        full = c.chat.completions.create(
+            model="tiny-cpu", messages=[{"role": "user", "content": "q"}], max_tokens=400
+        )
+        assert full.usage is not None and full.usage.completion_tokens == 400
+    assert all(0 < n < 400 for n in lengths) and len(set(lengths)) > 1
+    with sim_server(preset="tiny-cpu", output_len_median=20, natural_stop_always=True) as sim:
+        r = client(sim).chat.completions.create(
+            model="tiny-cpu", messages=[{"role": "user", "content": "q"}], max_tokens=400
+        )
+        assert (
+            r.choices[0].finish_reason == "stop" and r.usage is not None and r.usage.completion_tokens < 400
+        )

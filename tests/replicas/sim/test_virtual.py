@@ -45,7 +45,12 @@ def test_callbacks_see_the_replicas_at_their_own_time() -> None:
     seen: list[tuple[float, float, float]] = []
     cluster.at(0.0, lambda c: c.submit(1, SimRequest("long", 2000, prompt_token_ids=[1] * 100)))
     for t in (0.5, 1.0, 1.5):
-        cluster.at(t, lambda c: seen.append((c.now, c.engines[1].snapshot().generation_tokens, c.engines[0].snapshot().num_running)))  # fmt: skip
+        cluster.at(
+            t,
+            lambda c: seen.append(
+                (c.now, c.engines[1].snapshot().generation_tokens, c.engines[0].snapshot().num_running)
+            ),
+        )
     cluster.run(until=2.0)
     assert [s[0] for s in seen] == [0.5, 1.0, 1.5]
     # Tokens keep coming at the decode rate while replica 0 stays idle.

@@ -1,0 +1,220 @@
+"""Finalising a batch: exactly one finaliser writes the OpenAI output and error files.
+
+The finaliser is whoever wins a conditional UPDATE on the batch row (``final_claim IS NULL``).
+From that moment no result can be written (see :mod:`batch_jobs.results`), so the files hold
+every line exactly once:
+
+* ``completed`` -- every line answered; successes in the output file, failures in the error file;
+* ``cancelled`` / ``expired`` -- partial results as OpenAI returns them, and each line that never
+  ran goes to the error file with code ``batch_cancelled`` / ``batch_expired``.
+
+``request_counts`` then satisfy ``completed + failed == total``.
+
+Example::
+
+    finalize_batch(store, files, "batch_abc", kind="complete", clock=WallClock())
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+from sqlalchemy import text
+from sqlmodel import col, select
+
+from batch_jobs.files import FileStore, new_id
+from batch_jobs.models import BatchLine, BatchRecord, FileRecord
+from batch_jobs.results import error_line, output_line
+from batch_jobs.store import Store, line_counts
+from tidal.clock import Clock
+
+__all__ = ["FinalKind", "finalize_batch", "release_stale_claims"]
+
+log = logging.getLogger(__name__)
+
+FinalKind = Literal["complete", "cancel", "expire"]
+
+_CLAIMS: dict[FinalKind, tuple[str, str]] = {
+    "complete": (
+        "completed",
+        """status = 'in_progress' AND NOT EXISTS
+           (SELECT 1 FROM tidal_batch_lines WHERE batch_id = :b AND state = 'pending')""",
+    ),
+    "cancel": ("cancelled", "status = 'cancelling'"),
+    "expire": ("expired", "status IN ('validating', 'in_progress') AND expires_at <= :nowi"),
+}
+_UNRUN = {
+    "cancelled": ("batch_cancelled", "The batch was cancelled before this request ran."),
+    "expired": ("batch_expired", "This request could not be executed before the completion window expired."),
+}
+
+AfterFinal = Callable[[BatchRecord], None]
+
+
+def _claim(store: Store, batch_id: str, kind: FinalKind, now: float) -> str | None:
+    final_status, condition = _CLAIMS[kind]
+    token = secrets.token_hex(8)
+    set_finalizing = ", status = 'finalizing', finalizing_at = :nowi" if kind == "complete" else ""
+    stmt = text(
+        f"""UPDATE tidal_batches
+               SET final_claim = :t, final_claimed_at = :now, final_status = :fs{set_finalizing}
+             WHERE id = :b AND final_claim IS NULL AND {condition}"""
+    )
+    with store.session() as s:
+        n = (
+            s.connection()
+            .execute(stmt, {"t": token, "now": now, "nowi": int(now), "fs": final_status, "b": batch_id})
+            .rowcount
+        )
+    return token if n == 1 else None
+
+
+def finalize_batch(
+    store: Store,
+    files: FileStore,
+    batch_id: str,
+    *,
+    kind: FinalKind,
+    clock: Clock,
+    after_final: AfterFinal | None = None,
+) -> BatchRecord | None:
+    """Finalise if this caller wins the claim; returns the final batch, or None if it did not."""
+    token = _claim(store, batch_id, kind, clock.now())
+    if token is None:
+        return None
+    return _write_final(store, files, batch_id, token, clock, after_final)
+
+
+def _write_final(
+    store: Store, files: FileStore, batch_id: str, token: str, clock: Clock, after_final: AfterFinal | None
+) -> BatchRecord | None:
+    with store.session() as s:
+        batch = s.exec(select(BatchRecord).where(BatchRecord.id == batch_id)).one()
+        final_status = batch.final_status or "completed"
+        if final_status in _UNRUN:
+            code, message = _UNRUN[final_status]
+            s.connection().execute(
+                text(
+                    "UPDATE tidal_batch_lines SET state = 'failed', error_json = :e "
+                    "WHERE batch_id = :b AND state = 'pending'"
+                ),
+                {"e": json.dumps({"code": code, "message": message}), "b": batch_id},
+            )
+    counts_usage = _usage(store, batch_id)
+    now = int(clock.now())
+    output_id = _write_file(store, files, batch, "done", "output", now) if counts_usage[0] else None
+    error_id = _write_file(store, files, batch, "failed", "error", now) if counts_usage[1] else None
+    with store.session() as s:
+        row = s.exec(select(BatchRecord).where(BatchRecord.id == batch_id)).one()
+        if row.final_claim != token:
+            return None  # our claim was released as stale and someone else finished it
+        counts = line_counts(s, batch_id)
+        row.status = final_status
+        row.output_file_id = output_id
+        row.error_file_id = error_id
+        row.total, row.completed, row.failed = counts.total, counts.completed, counts.failed
+        row.usage_json = json.dumps(counts_usage[2])
+        row.finalizing_at = row.finalizing_at or now
+        setattr(row, f"{final_status}_at", now)
+        s.add(row)
+        s.connection().execute(
+            text("UPDATE tidal_batch_chunks SET state = 'done' WHERE batch_id = :b AND state <> 'dead'"),
+            {"b": batch_id},
+        )
+    log.info("batch %s %s: %d completed, %d failed", batch_id, final_status, counts.completed, counts.failed)
+    if after_final is not None:
+        after_final(row)
+    return row
+
+
+def _usage(store: Store, batch_id: str) -> tuple[int, int, dict[str, object]]:
+    with store.session() as s:
+        row = (
+            s.connection()
+            .execute(
+                text(
+                    """SELECT SUM(CASE WHEN state = 'done' THEN 1 ELSE 0 END),
+                          SUM(CASE WHEN state = 'failed' THEN 1 ELSE 0 END),
+                          COALESCE(SUM(input_tokens), 0), COALESCE(SUM(output_tokens), 0),
+                          COALESCE(SUM(cached_tokens), 0)
+                     FROM tidal_batch_lines WHERE batch_id = :b"""
+                ),
+                {"b": batch_id},
+            )
+            .one()
+        )
+    done, failed, inp, out, cached = (int(v or 0) for v in row)
+    usage: dict[str, object] = {
+        "input_tokens": inp,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": out,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": inp + out,
+    }
+    return done, failed, usage
+
+
+def _lines(store: Store, batch: BatchRecord, state: str) -> Iterator[str]:
+    last = 0
+    while True:
+        with store.session() as s:
+            page = s.exec(
+                select(BatchLine)
+                .where(
+                    BatchLine.batch_id == batch.id, BatchLine.state == state, col(BatchLine.line_no) > last
+                )
+                .order_by(col(BatchLine.line_no))
+                .limit(1000)
+            ).all()
+        if not page:
+            return
+        for line in page:
+            if line.status_code is not None:
+                yield output_line(
+                    batch.id, line.custom_id, line.status_code, line.request_id, line.response_body or "null"
+                )
+            else:
+                yield error_line(batch.id, line.custom_id, json.loads(line.error_json or "{}"))
+        last = page[-1].line_no
+
+
+def _write_file(store: Store, files: FileStore, batch: BatchRecord, state: str, kind: str, now: int) -> str:
+    file_id = new_id("file-")
+    rel, size = files.save_lines(batch.tenant, file_id, _lines(store, batch, state))
+    with store.session() as s:
+        s.add(
+            FileRecord(
+                id=file_id,
+                tenant=batch.tenant,
+                purpose="batch_output",
+                filename=f"{batch.id}_{kind}.jsonl",
+                bytes=size,
+                created_at=now,
+                path=rel,
+            )
+        )
+    return file_id
+
+
+def release_stale_claims(store: Store, *, now: float, older_than_s: float = 120.0) -> int:
+    """Let another finaliser retry when one died between its claim and the final status."""
+    with store.session() as s:
+        return int(
+            s.connection()
+            .execute(
+                text(
+                    """UPDATE tidal_batches
+                          SET final_claim = NULL, final_claimed_at = NULL,
+                              status = CASE WHEN status = 'finalizing' THEN 'in_progress' ELSE status END
+                        WHERE final_claim IS NOT NULL AND final_claimed_at < :cut
+                          AND status NOT IN ('completed', 'failed', 'expired', 'cancelled')"""
+                ),
+                {"cut": now - older_than_s},
+            )
+            .rowcount
+            or 0
+        )

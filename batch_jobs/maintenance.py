@@ -1,0 +1,105 @@
+"""The batch tier's housekeeping, safe to run in several processes at once (every step is a
+conditional UPDATE): expiry, cancellation, finalisation nobody finished, unpublished chunks.
+
+Example::
+
+    sweeper = BatchMaintenance(store, files, clock=ManualClock(start=1.7e9), publisher=publisher)
+    clock.advance(24 * 3600)
+    sweeper.sweep()          # -> {"expired": 1, ...}
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy import text
+
+from batch_jobs.dispatch import (
+    ChunkPublisher,
+    publish_pending,
+    release_stale_publishing,
+    requeue_stale_running,
+)
+from batch_jobs.files import FileStore
+from batch_jobs.finalize import AfterFinal, FinalKind, finalize_batch, release_stale_claims
+from batch_jobs.store import Store
+from tidal.clock import Clock
+
+__all__ = ["BatchMaintenance"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchMaintenance:
+    """One sweep = expire overdue batches, finalise cancelled and finished ones, release stale
+    finaliser claims, publish chunks still pending (and, for brokers that do not redeliver,
+    chunks whose worker died)."""
+
+    store: Store
+    files: FileStore
+    clock: Clock
+    publisher: ChunkPublisher | None = None
+    after_final: AfterFinal | None = None
+    republish_stale_running_after_s: float | None = None
+    publish_grace_s: float = 5.0
+    extra_steps: list[Callable[[], int]] = field(default_factory=list)
+
+    def _ids(self, sql: str, **params: object) -> list[str]:
+        with self.store.session() as s:
+            return [r[0] for r in s.connection().execute(text(sql), params).all()]
+
+    def _finalize(self, ids: list[str], kind: FinalKind) -> int:
+        n = 0
+        for bid in ids:
+            try:
+                if finalize_batch(
+                    self.store, self.files, bid, kind=kind, clock=self.clock, after_final=self.after_final
+                ):
+                    n += 1
+            except Exception:  # one bad batch must not stop the sweep for the others
+                log.exception("finalising batch %s (%s) failed", bid, kind)
+        return n
+
+    def sweep(self) -> dict[str, int]:
+        now = self.clock.now()
+        report = {
+            "released_claims": release_stale_claims(self.store, now=now),
+            "expired": self._finalize(
+                self._ids(
+                    """SELECT id FROM tidal_batches WHERE status IN ('validating', 'in_progress')
+                        AND final_claim IS NULL AND expires_at <= :now""",
+                    now=int(now),
+                ),
+                "expire",
+            ),
+            "cancelled": self._finalize(
+                self._ids("SELECT id FROM tidal_batches WHERE status = 'cancelling' AND final_claim IS NULL"),
+                "cancel",
+            ),
+            "completed": self._finalize(
+                self._ids(
+                    """SELECT b.id FROM tidal_batches b WHERE b.status = 'in_progress' AND b.final_claim IS NULL
+                        AND NOT EXISTS (SELECT 1 FROM tidal_batch_lines l
+                                         WHERE l.batch_id = b.id AND l.state = 'pending')"""
+                ),
+                "complete",
+            ),
+        }
+        if self.republish_stale_running_after_s is not None:
+            report["requeued_stale"] = requeue_stale_running(
+                self.store, now=now, stale_after_s=self.republish_stale_running_after_s
+            )
+        if self.publisher is not None:
+            report["unclaimed"] = release_stale_publishing(self.store, now=now)
+            report["published"] = publish_pending(
+                self.store, self.publisher, created_before=now - self.publish_grace_s
+            )
+        for step in self.extra_steps:
+            try:
+                step()
+            except Exception:
+                log.exception("maintenance step %r failed", step)
+        return report

@@ -1,0 +1,458 @@
+"""The batch tier's services behind the gateway's Files and Batches routes: handlers orchestrate,
+these decide.
+
+Example::
+
+    svc = BatchService.from_settings(fleet, settings)
+    f = await svc.upload_file("acme", filename="in.jsonl", purpose="batch", chunks=stream)
+    b = svc.create_batch("acme", BatchCreate(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h", metadata={"priority": "9"}))
+    svc.public_batch(b).request_counts
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import insert, text
+from sqlmodel import Session, col, func, select
+
+from batch_jobs.dispatch import ChunkPublisher, publish_pending
+from batch_jobs.errors import Conflict, Forbidden, InvalidRequest, LimitExceeded, NotFound, TooLarge
+from batch_jobs.files import FileStore, FileTooLarge, new_id, safe_filename
+from batch_jobs.models import (
+    BATCH_ACTIVE,
+    BATCH_TERMINAL,
+    BatchChunk,
+    BatchCreate,
+    BatchLine,
+    BatchPublic,
+    BatchRecord,
+    FilePublic,
+    FileRecord,
+    ListPage,
+    RequestCounts,
+)
+from batch_jobs.store import Store, line_counts
+from batch_jobs.validation import SUPPORTED_ENDPOINTS, iter_valid_lines, validate_batch_file
+from priority.classes import BATCH_PRIORITY_MAX
+from priority.queues import LANE_PREFERENCES, lane_for_preference
+from tidal.clock import Clock, WallClock
+from tidal.fleet import FleetConfig
+from tidal.settings import Settings
+
+__all__ = ["BATCH_PURPOSE", "DATASET_PURPOSES", "UPLOAD_PURPOSES", "BatchService"]
+
+BATCH_PURPOSE = "batch"
+# Job datasets (eval prompts, documents to summarise, items to embed) use OpenAI's data purposes.
+DATASET_PURPOSES = ("user_data", "evals")
+UPLOAD_PURPOSES = (BATCH_PURPOSE, *DATASET_PURPOSES)
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+MAX_METADATA_PAIRS = 16
+_INSERT_PAGE = 1000
+
+
+class BatchService:
+    """Files, batches and their validation, planning and publishing, for one store."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        files: FileStore,
+        fleet: FleetConfig,
+        settings: Settings,
+        publisher: ChunkPublisher | None,
+        clock: Clock | None = None,
+        max_active_batches_per_tenant: int = 200,
+    ) -> None:
+        self.store = store
+        self.files = files
+        self.fleet = fleet
+        self.settings = settings
+        self.publisher = publisher
+        self.clock: Clock = clock or WallClock()
+        self.max_active_batches_per_tenant = max_active_batches_per_tenant
+
+    @classmethod
+    def from_settings(
+        cls, fleet: FleetConfig, settings: Settings, *, publisher: ChunkPublisher | None = None
+    ) -> BatchService:
+        store = Store.from_url(settings.resolved_database_url)
+        files = FileStore(settings.resolved_files_dir, max_bytes=settings.max_file_bytes)
+        return cls(store=store, files=files, fleet=fleet, settings=settings, publisher=publisher)
+
+    @property
+    def served_models(self) -> set[str]:
+        return {m.name for m in self.fleet.models} | {a.name for a in self.fleet.adapters}
+
+    def _now(self) -> int:
+        return int(self.clock.now())
+
+    # -- files ------------------------------------------------------------------------------------
+
+    async def upload_file(
+        self,
+        tenant: str,
+        *,
+        filename: str | None,
+        purpose: str,
+        chunks: AsyncIterator[bytes],
+        expires_after_s: int | None = None,
+    ) -> FileRecord:
+        """Store an upload (size-limited while it arrives); nothing is kept if it is refused."""
+        if purpose not in UPLOAD_PURPOSES:
+            raise InvalidRequest(
+                f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}; got {purpose[:40]!r}", param="purpose"
+            )
+        if expires_after_s is not None and not 3600 <= expires_after_s <= 2_592_000:
+            raise InvalidRequest(
+                "expires_after[seconds] must be between 3600 and 2592000", param="expires_after"
+            )
+        file_id = new_id("file-")
+        try:
+            rel, size = await self.files.save_stream(tenant, file_id, chunks)
+        except FileTooLarge as exc:
+            raise TooLarge(f"The file is larger than the limit of {exc.limit} bytes.", param="file") from None
+        if size == 0:
+            self.files.delete(rel)
+            raise InvalidRequest("The file is empty.", param="file", code="empty_file")
+        now = self._now()
+        rec = FileRecord(
+            id=file_id,
+            tenant=tenant,
+            purpose=purpose,
+            filename=safe_filename(filename),
+            bytes=size,
+            created_at=now,
+            expires_at=now + expires_after_s if expires_after_s else None,
+            path=rel,
+        )
+        with self.store.session() as s:
+            s.add(rec)
+        return rec
+
+    def save_generated_file(
+        self, tenant: str, *, filename: str, purpose: str, lines: Iterable[bytes | str]
+    ) -> FileRecord:
+        """A file the platform writes itself (job inputs, reports)."""
+        file_id = new_id("file-")
+        rel, size = self.files.save_lines(tenant, file_id, lines)
+        rec = FileRecord(
+            id=file_id,
+            tenant=tenant,
+            purpose=purpose,
+            filename=safe_filename(filename),
+            bytes=size,
+            created_at=self._now(),
+            path=rel,
+        )
+        with self.store.session() as s:
+            s.add(rec)
+        return rec
+
+    def get_file(self, tenant: str, file_id: str, *, param: str = "file_id") -> FileRecord:
+        with self.store.session() as s:
+            f = s.exec(
+                select(FileRecord).where(FileRecord.id == file_id, FileRecord.tenant == tenant)
+            ).first()
+        if f is None:
+            raise NotFound(f"No such file: {file_id[:64]!r}", param=param)
+        return f
+
+    def file_path(self, tenant: str, file_id: str) -> Path:
+        return self.files.path(self.get_file(tenant, file_id).path)
+
+    def list_files(
+        self,
+        tenant: str,
+        *,
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int = 10_000,
+        order: str = "desc",
+    ) -> ListPage:
+        with self.store.session() as s:
+            q = select(FileRecord).where(FileRecord.tenant == tenant)
+            if purpose:
+                q = q.where(FileRecord.purpose == purpose)
+            if after:
+                anchor = s.exec(
+                    select(FileRecord.seq).where(FileRecord.id == after, FileRecord.tenant == tenant)
+                ).first()
+                if anchor is None:
+                    raise NotFound(f"No such file: {after[:64]!r}", param="after")
+                q = q.where(col(FileRecord.seq) < anchor if order == "desc" else col(FileRecord.seq) > anchor)
+            q = q.order_by(col(FileRecord.seq).desc() if order == "desc" else col(FileRecord.seq)).limit(
+                limit + 1
+            )
+            rows = list(s.exec(q).all())
+        page = [FilePublic.of(f) for f in rows[:limit]]
+        return ListPage(
+            data=page,
+            first_id=page[0].id if page else None,
+            last_id=page[-1].id if page else None,
+            has_more=len(rows) > limit,
+        )
+
+    def delete_file(self, tenant: str, file_id: str) -> None:
+        f = self.get_file(tenant, file_id)
+        with self.store.session() as s:
+            s.connection().execute(
+                text("DELETE FROM tidal_files WHERE id = :i AND tenant = :t"), {"i": f.id, "t": tenant}
+            )
+        self.files.delete(f.path)
+
+    # -- batches ----------------------------------------------------------------------------------
+
+    def create_batch(
+        self, tenant: str, params: BatchCreate, *, admin: bool = False, job_id: str | None = None
+    ) -> BatchRecord:
+        """Validate, plan and publish a batch. Request-level problems raise (nothing is created);
+        problems inside the file give a ``failed`` batch whose ``errors`` name every bad line."""
+        if params.endpoint not in SUPPORTED_ENDPOINTS:
+            raise InvalidRequest(
+                f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}; got {params.endpoint[:64]!r}",
+                param="endpoint",
+                code="unsupported_endpoint",
+            )
+        window = COMPLETION_WINDOWS.get(params.completion_window)
+        if window is None:
+            raise InvalidRequest(
+                f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}", param="completion_window"
+            )
+        ext = self._extensions(params.metadata, admin=admin)
+        f = self.get_file(tenant, params.input_file_id, param="input_file_id")
+        if f.purpose != BATCH_PURPOSE:
+            raise InvalidRequest(
+                f"The input file must be uploaded with purpose 'batch' (it has {f.purpose!r}).",
+                param="input_file_id",
+                code="invalid_purpose",
+            )
+        with self.store.session() as s:
+            active = s.exec(
+                select(func.count())
+                .select_from(BatchRecord)
+                .where(BatchRecord.tenant == tenant, col(BatchRecord.status).in_(list(BATCH_ACTIVE)))
+            ).one()
+        if int(active) >= self.max_active_batches_per_tenant:
+            raise LimitExceeded(
+                f"Too many unfinished batches ({active}); wait for some to finish.", code="too_many_batches"
+            )
+        now = self._now()
+        expires_at = now + window
+        if ext["deadline"] is not None:
+            expires_at = min(expires_at, ext["deadline"])
+        batch = BatchRecord(
+            id=new_id("batch_"),
+            tenant=tenant,
+            endpoint=params.endpoint,
+            input_file_id=f.id,
+            completion_window=params.completion_window,
+            status="validating",
+            priority=ext["priority"],
+            lane=ext["lane"],
+            queue_lane=lane_for_preference(ext["lane"]).value,
+            pool=ext["pool"],
+            replica_group=ext["replica_group"],
+            job_id=job_id,
+            created_at=now,
+            expires_at=expires_at,
+            metadata_json=json.dumps(params.metadata) if params.metadata else None,
+        )
+        path = self.files.path(f.path)
+        report = validate_batch_file(
+            path, endpoint=params.endpoint, models=self.served_models, max_lines=self.settings.max_batch_lines
+        )
+        if report.error_count:
+            batch.status = "failed"
+            batch.failed_at = now
+            batch.errors_json = json.dumps([e.model_dump() for e in report.finish()])
+            with self.store.session() as s:
+                s.add(batch)
+            return batch
+        batch.model = next(iter(report.models)) if len(report.models) == 1 else None
+        with self.store.session() as s:
+            s.add(batch)
+            s.flush()
+            total = self._insert_lines(s, batch, path)
+            batch.total = total
+            batch.status = "in_progress"
+            batch.in_progress_at = now
+            s.add(batch)
+        if self.publisher is not None:
+            publish_pending(self.store, self.publisher, batch_id=batch.id)
+        return batch
+
+    def _insert_lines(self, s: Session, batch: BatchRecord, path: Path) -> int:
+        size = self.settings.chunk_lines
+        conn = s.connection()
+        page: list[dict[str, Any]] = []
+        n = 0
+        for line in iter_valid_lines(path, endpoint=batch.endpoint, models=self.served_models):
+            page.append(
+                {
+                    "batch_id": batch.id,
+                    "line_no": line.line_no,
+                    "custom_id": line.custom_id,
+                    "chunk_no": n // size,
+                    "body": json.dumps(line.body, separators=(",", ":")),
+                    "state": "pending",
+                    "input_tokens": 0,
+                    "output_tokens": 0,
+                    "cached_tokens": 0,
+                }
+            )
+            n += 1
+            if len(page) >= _INSERT_PAGE:
+                conn.execute(insert(BatchLine), page)
+                page = []
+        if page:
+            conn.execute(insert(BatchLine), page)
+        chunks = []
+        line_nos = conn.execute(
+            text(
+                "SELECT chunk_no, MIN(line_no), MAX(line_no) FROM tidal_batch_lines WHERE batch_id = :b GROUP BY chunk_no"
+            ),
+            {"b": batch.id},
+        ).all()
+        for chunk_no, first, last in line_nos:
+            chunks.append(
+                {
+                    "batch_id": batch.id,
+                    "chunk_no": chunk_no,
+                    "queue_lane": batch.queue_lane,
+                    "priority": batch.priority,
+                    "first_line": first,
+                    "last_line": last,
+                    "state": "pending",
+                    "deliveries": 0,
+                    "releases": 0,
+                    "created_at": self.clock.now(),
+                }
+            )
+        if chunks:
+            conn.execute(insert(BatchChunk), chunks)
+        return n
+
+    def _extensions(self, metadata: dict[str, str] | None, *, admin: bool) -> dict[str, Any]:
+        md = metadata or {}
+        if len(md) > MAX_METADATA_PAIRS:
+            raise InvalidRequest(f"metadata may hold at most {MAX_METADATA_PAIRS} pairs", param="metadata")
+        for k, v in md.items():
+            if len(k) > 64 or len(v) > 512:
+                raise InvalidRequest(
+                    "metadata keys are at most 64 and values 512 characters", param="metadata"
+                )
+        out: dict[str, Any] = {
+            "priority": 0,
+            "lane": "any",
+            "deadline": None,
+            "pool": None,
+            "replica_group": None,
+        }
+        if "priority" in md:
+            p = md["priority"].strip()
+            if not (p.isdigit() and 0 <= int(p) <= BATCH_PRIORITY_MAX):
+                raise InvalidRequest(
+                    f"metadata.priority must be an integer from 0 to {BATCH_PRIORITY_MAX} (9 is most urgent)",
+                    param="metadata.priority",
+                )
+            out["priority"] = int(p)
+        if "lane" in md:
+            if md["lane"] not in LANE_PREFERENCES:
+                raise InvalidRequest(
+                    f"metadata.lane must be one of {', '.join(LANE_PREFERENCES)}", param="metadata.lane"
+                )
+            out["lane"] = md["lane"]
+        if "deadline" in md:
+            try:
+                deadline = int(float(md["deadline"]))
+            except ValueError:
+                raise InvalidRequest(
+                    "metadata.deadline must be Unix seconds", param="metadata.deadline"
+                ) from None
+            if deadline <= self._now():
+                raise InvalidRequest("metadata.deadline is in the past", param="metadata.deadline")
+            out["deadline"] = deadline
+        for key in ("pool", "replica_group"):
+            if key in md:
+                if not admin:
+                    raise Forbidden(f"only admins may pin metadata.{key}", param=f"metadata.{key}")
+                out[key] = md[key]
+        if out["pool"] is not None and out["pool"] not in self.fleet.pools:
+            raise InvalidRequest(
+                f"metadata.pool: unknown pool {out['pool']!r} (known: {', '.join(sorted(self.fleet.pools))})",
+                param="metadata.pool",
+            )
+        if out["replica_group"] is not None:
+            groups = {r.group for p in self.fleet.pools.values() for r in p.replicas}
+            if out["replica_group"] not in groups:
+                raise InvalidRequest(
+                    f"metadata.replica_group: unknown group {out['replica_group']!r}",
+                    param="metadata.replica_group",
+                )
+        return out
+
+    def get_batch(self, tenant: str, batch_id: str) -> BatchRecord:
+        with self.store.session() as s:
+            b = s.exec(
+                select(BatchRecord).where(BatchRecord.id == batch_id, BatchRecord.tenant == tenant)
+            ).first()
+        if b is None:
+            raise NotFound(f"No such batch: {batch_id[:64]!r}", param="batch_id")
+        return b
+
+    def public_batch(self, b: BatchRecord) -> BatchPublic:
+        if b.status in BATCH_TERMINAL:
+            counts = RequestCounts(total=b.total, completed=b.completed, failed=b.failed)
+        else:
+            with self.store.session() as s:
+                counts = line_counts(s, b.id)
+        return BatchPublic.of(b, counts)
+
+    def list_batches(self, tenant: str, *, after: str | None = None, limit: int = 20) -> ListPage:
+        with self.store.session() as s:
+            q = select(BatchRecord).where(BatchRecord.tenant == tenant)
+            if after:
+                anchor = s.exec(
+                    select(BatchRecord.seq).where(BatchRecord.id == after, BatchRecord.tenant == tenant)
+                ).first()
+                if anchor is None:
+                    raise NotFound(f"No such batch: {after[:64]!r}", param="after")
+                q = q.where(col(BatchRecord.seq) < anchor)
+            rows = list(s.exec(q.order_by(col(BatchRecord.seq).desc()).limit(limit + 1)).all())
+        page = [self.public_batch(b) for b in rows[:limit]]
+        return ListPage(
+            data=page,
+            first_id=page[0].id if page else None,
+            last_id=page[-1].id if page else None,
+            has_more=len(rows) > limit,
+        )
+
+    def cancel_batch(self, tenant: str, batch_id: str) -> BatchRecord:
+        """``cancelling`` now; the maintenance sweep finalises it as ``cancelled`` with partial
+        results once running chunks can no longer write."""
+        b = self.get_batch(tenant, batch_id)
+        if b.status in ("cancelling", "cancelled"):
+            return b
+        with self.store.session() as s:
+            n = (
+                s.connection()
+                .execute(
+                    text(
+                        """UPDATE tidal_batches SET status = 'cancelling', cancelling_at = :now
+                        WHERE id = :b AND tenant = :t AND status IN ('validating', 'in_progress')
+                          AND final_claim IS NULL"""
+                    ),
+                    {"now": self._now(), "b": b.id, "t": tenant},
+                )
+                .rowcount
+            )
+        if n != 1:
+            b = self.get_batch(tenant, batch_id)
+            raise Conflict(f"Cannot cancel a batch with status {b.status!r}.", code="batch_not_cancellable")
+        return self.get_batch(tenant, batch_id)

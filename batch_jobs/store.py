@@ -1,0 +1,195 @@
+"""The batch tier's database: SQLite by default (WAL, busy timeout: several processes write),
+PostgreSQL by URL (``postgresql+psycopg://``).
+
+Example::
+
+    store = Store.from_url(settings.resolved_database_url)
+    with store.session() as s:
+        set_lane_paused(s, "shared", True, "interactive queue wait p95 0.8 s")
+        assert lane_paused(s, "shared")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, func, text
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
+from sqlmodel import Session, SQLModel, col, select
+
+from batch_jobs.models import BatchLine, LaneState, RequestCounts, WorkerRecord
+
+__all__ = [
+    "Store",
+    "lane_paused",
+    "lane_states",
+    "line_counts",
+    "register_worker",
+    "set_lane_paused",
+    "unregister_worker",
+    "worker_paused_lanes",
+    "workers_of_lane",
+]
+
+
+class Store:
+    """An engine plus sessions; creates the tables on first use."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        _create_schema(engine)
+        # SQLite has one writer at a time and its busy handler backs off in sleeps of up to 100 ms;
+        # threads of one process take turns here instead (other processes still use the handler).
+        self._turn: threading.RLock | None = threading.RLock() if engine.dialect.name == "sqlite" else None
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    @classmethod
+    def from_url(cls, url: str, *, echo: bool = False) -> Store:
+        return cls(make_engine(url, echo=echo))
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session that commits on success and rolls back on error."""
+        with self._turn or contextlib.nullcontext(), Session(self.engine, expire_on_commit=False) as s:
+            try:
+                yield s
+                s.commit()
+            except BaseException:
+                s.rollback()
+                raise
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def _create_schema(engine: Engine, attempts: int = 5) -> None:
+    """Create missing tables. The gateway and workers start together and may race to create the
+    same table: the loser sees "already exists" and simply checks again."""
+    for attempt in range(attempts):
+        try:
+            SQLModel.metadata.create_all(engine)
+            return
+        except (OperationalError, ProgrammingError, IntegrityError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.1 * (attempt + 1))
+
+
+def make_engine(url: str, *, echo: bool = False) -> Engine:
+    """An engine tuned for several writer processes."""
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[1] if "///" in url else ""
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            # WAL lets readers run beside the one writer; the busy timeout makes writers queue
+            # instead of failing when a worker and the gateway write at the same moment.
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        return engine
+    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=5, max_overflow=10)
+
+
+# -- lines --------------------------------------------------------------------------------------
+
+
+def line_counts(session: Session, batch_id: str) -> RequestCounts:
+    """``request_counts`` computed from the lines (never incremented per execution)."""
+    rows = session.exec(
+        select(BatchLine.state, func.count())
+        .where(BatchLine.batch_id == batch_id)
+        .group_by(col(BatchLine.state))
+    ).all()
+    by_state = {state: int(n) for state, n in rows}
+    return RequestCounts(
+        total=sum(by_state.values()),
+        completed=by_state.get("done", 0),
+        failed=by_state.get("failed", 0),
+    )
+
+
+# -- lane gate ------------------------------------------------------------------------------------
+
+
+def set_lane_paused(session: Session, lane: str, paused: bool, reason: str = "") -> LaneState:
+    """Persist the gate state of ``lane`` (the scheduler flips it; workers read it)."""
+    row = session.get(LaneState, lane)
+    if row is None:
+        row = LaneState(lane=lane)
+    row.paused = paused
+    row.reason = reason[:512]
+    row.updated_at = time.time()
+    session.add(row)
+    session.flush()
+    return row
+
+
+def lane_paused(session: Session, lane: str) -> bool:
+    row = session.get(LaneState, lane)
+    return bool(row and row.paused)
+
+
+def lane_states(session: Session) -> dict[str, bool]:
+    return {r.lane: r.paused for r in session.exec(select(LaneState)).all()}
+
+
+# -- worker registry ------------------------------------------------------------------------------
+
+
+def register_worker(
+    session: Session,
+    *,
+    hostname: str,
+    lane: str,
+    pid: int,
+    concurrency: int,
+    paused_lanes: list[str] | None = None,
+) -> None:
+    """Insert or refresh this worker's row (also its heartbeat and its view of paused lanes)."""
+    now = time.time()
+    row = session.get(WorkerRecord, hostname)
+    if row is None:
+        row = WorkerRecord(
+            hostname=hostname, lane=lane, pid=pid, concurrency=concurrency, started_at=now, heartbeat_at=now
+        )
+    row.heartbeat_at = now
+    if paused_lanes is not None:
+        row.paused_lanes = ",".join(sorted(paused_lanes))
+    session.add(row)
+
+
+def worker_paused_lanes(session: Session, hostnames: list[str]) -> dict[str, set[str]]:
+    """Each worker's last reported set of paused lanes."""
+    rows = session.exec(select(WorkerRecord).where(col(WorkerRecord.hostname).in_(hostnames))).all()
+    return {r.hostname: {x for x in r.paused_lanes.split(",") if x} for r in rows}
+
+
+def unregister_worker(session: Session, hostname: str) -> None:
+    session.execute(text("DELETE FROM tidal_workers WHERE hostname = :h"), {"h": hostname})
+
+
+def workers_of_lane(session: Session, lane: str, *, stale_after_s: float = 30.0) -> list[str]:
+    """Hostnames of live workers that consume ``lane`` (``all`` workers consume every lane)."""
+    cutoff = time.time() - stale_after_s
+    rows = session.exec(
+        select(WorkerRecord.hostname).where(
+            col(WorkerRecord.lane).in_([lane, "all"]), col(WorkerRecord.heartbeat_at) >= cutoff
+        )
+    ).all()
+    return sorted(rows)

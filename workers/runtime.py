@@ -1,0 +1,532 @@
+"""What one worker process holds: the store, the event loop that sends lines, the replica pools
+per lane, the middleware, the lane gate and its listeners, and the chunk task's logic.
+
+Lanes and replicas (the fleet's pools):
+
+=========  ===================================  =============================================
+lane       sends to                             consumes
+=========  ===================================  =============================================
+reserved   pools of kind ``batch``              ``<ns>.reserved`` then ``<ns>.shared``
+spot       pools of kind ``spot``               ``<ns>.spot`` then ``<ns>.shared``
+shared     ``interactive`` pools with           ``<ns>.shared`` (paused by the scheduler's
+           ``shared: true``                     gate when users need the capacity)
+all        the chunk's own lane (``tidal up``:  every queue
+           one light process for the laptop)
+=========  ===================================  =============================================
+
+A batch pinned to a ``pool`` or ``replica_group`` (admins, e.g. a canary eval) goes to those
+replicas whatever the lane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pika
+from celery.exceptions import Reject
+from sqlalchemy import text
+from sqlmodel import select
+
+from batch_jobs.dispatch import ChunkPublisher
+from batch_jobs.files import FileStore
+from batch_jobs.finalize import finalize_batch
+from batch_jobs.jobs import JobService
+from batch_jobs.maintenance import BatchMaintenance
+from batch_jobs.models import BatchRecord
+from batch_jobs.results import LineResult, record_results
+from batch_jobs.service import BatchService
+from batch_jobs.store import Store, lane_states, register_worker, unregister_worker
+from priority.classes import Lane
+from priority.queues import LANES, Topology, is_amqp, parse_lane_control, pika_parameters
+from replicas.client import ReplicaClient
+from tidal.clock import WallClock
+from tidal.fleet import FleetConfig, PoolSpec, ReplicaSpec
+from tidal.settings import Settings
+from workers.chunk import ChunkExecutor, ChunkOutcome, ChunkWork, PendingLine, ReplicaSet, ReplicaSlot
+from workers.middleware import (
+    BatchClosed,
+    ChunkMiddleware,
+    LaneGate,
+    LanePause,
+    Metrics,
+    Preemption,
+    PriorityMapping,
+    Retries,
+    TimeLimit,
+)
+
+__all__ = ["WORKER_LANES", "WorkerRuntime", "lane_of_hostname", "lane_pools", "worker_hostname"]
+
+log = logging.getLogger(__name__)
+
+WORKER_LANES = ("reserved", "spot", "shared", "all")
+HOUSEKEEPING_S = 2.0
+HEARTBEAT_EVERY_S = 5.0
+PAUSE_REQUEUE_DELAY_S = 0.5
+NO_REPLICA_RETRY_S = 5.0  # a paused chunk waits a moment so it does not bounce straight back
+
+
+def worker_hostname(lane: str) -> str:
+    """``<lane>@<host>-<pid>``: the lane is readable from the Celery node name."""
+    return f"{lane}@{socket.gethostname()}-{os.getpid()}"
+
+
+def lane_of_hostname(hostname: str) -> str:
+    return hostname.split("@", 1)[0]
+
+
+def lane_pools(fleet: FleetConfig, lane: str) -> list[PoolSpec]:
+    """The pools whose replicas a lane's workers send to."""
+    if lane == Lane.RESERVED:
+        return fleet.pools_of_kind("batch")
+    if lane == Lane.SPOT:
+        return fleet.pools_of_kind("spot")
+    if lane == Lane.SHARED:
+        return [p for p in fleet.pools_of_kind("interactive") if p.shared]
+    raise ValueError(f"unknown lane {lane!r}")
+
+
+def governed_queues(worker_lane: str, paused_lane: str) -> list[str]:
+    """Lanes (queues) a worker stops consuming when ``paused_lane`` pauses."""
+    if worker_lane == "all":
+        return [paused_lane]
+    if worker_lane == paused_lane:
+        return [paused_lane] if worker_lane == Lane.SHARED else [worker_lane, Lane.SHARED.value]
+    return []
+
+
+@dataclass
+class _Plan:
+    lane: str
+    replicas: list[tuple[PoolSpec, ReplicaSpec]]
+
+
+class WorkerRuntime:
+    """Everything the chunk task needs in one process; ``start()`` before the Celery worker runs."""
+
+    current: WorkerRuntime | None = None
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        fleet: FleetConfig,
+        lane: str,
+        concurrency: int,
+        hostname: str | None = None,
+        publisher: ChunkPublisher | None = None,
+    ) -> None:
+        if lane not in WORKER_LANES:
+            raise ValueError(f"lane must be one of {', '.join(WORKER_LANES)}")
+        self.settings = settings
+        self.fleet = fleet
+        self.lane = lane
+        self.concurrency = concurrency
+        self.hostname = hostname or worker_hostname(lane)
+        self.topology = Topology(settings.queue_namespace)
+        self.store = Store.from_url(settings.resolved_database_url)
+        self.files = FileStore(settings.resolved_files_dir, max_bytes=settings.max_file_bytes)
+        self.clock = WallClock()
+        self.batch_service = BatchService(
+            store=self.store,
+            files=self.files,
+            fleet=fleet,
+            settings=settings,
+            publisher=publisher,
+            clock=self.clock,
+        )
+        self.jobs = JobService(self.batch_service)
+        self.gate = LaneGate()
+        self.preemption = Preemption(grace_s=max(0.0, settings.soft_shutdown_s - 3.0))
+        self.metrics = Metrics()
+        self.middleware: list[ChunkMiddleware] = [
+            self.metrics,
+            PriorityMapping(),
+            Retries(),
+            TimeLimit(settings.chunk_time_limit_s),
+            LanePause(self.gate),
+            self.preemption,
+            BatchClosed(self._batch_open),
+        ]
+        self.executor = ChunkExecutor(self.middleware)
+        self.maintenance = BatchMaintenance(
+            self.store,
+            self.files,
+            clock=self.clock,
+            publisher=publisher,
+            after_final=self.jobs.after_final,
+            republish_stale_running_after_s=None if is_amqp(settings.broker_url) else 120.0,
+            extra_steps=[self.jobs.advance_stuck],
+        )
+        self.consumer: Any = None  # Celery's consumer, set when the worker is ready
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tidal-chunks", daemon=True)
+        self._replica_sets: dict[tuple[str, str | None, str | None], ReplicaSet] = {}
+        self._closing = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._consuming_paused: set[str] = set()
+        self._last_heartbeat = 0.0
+        for name in [lane] if lane != "all" else []:
+            if not lane_pools(fleet, name):
+                raise ValueError(f"the fleet has no replicas for lane {name!r} (pools of that kind)")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def queues(self) -> list[str]:
+        """Queue names to consume at start, leaving out lanes whose gate is paused."""
+        lanes = [lane.value for lane in LANES] if self.lane == "all" else [self.lane]
+        if self.lane in (Lane.RESERVED, Lane.SPOT):
+            lanes.append(Lane.SHARED.value)
+        paused = {lane for lane, p in self.gate.snapshot().items() if p}
+        skipped = {q for p in paused for q in governed_queues(self.lane, p)}
+        self._consuming_paused = skipped & set(lanes)
+        return [self.topology.queue(lane) for lane in lanes if lane not in skipped]
+
+    def start(self) -> None:
+        WorkerRuntime.current = self
+        self._loop_thread.start()
+        with self.store.session() as s:
+            for lane, paused in lane_states(s).items():
+                self.gate.apply(lane, paused, "persisted state at start")
+            register_worker(
+                s, hostname=self.hostname, lane=self.lane, pid=os.getpid(), concurrency=self.concurrency
+            )
+        self.gate.listeners.append(self._on_gate_change)
+        self._spawn(self._housekeeping, "tidal-housekeeping")
+        if is_amqp(self.settings.broker_url):
+            self._spawn(self._listen_control, "tidal-lane-control")
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def on_ready(self, consumer: Any) -> None:
+        self.consumer = consumer
+
+    def on_shutdown(self) -> None:
+        """SIGTERM (spot notice) or Ctrl-C: running chunks stop sending and requeue the rest."""
+        log.warning(
+            "worker %s shutting down: running chunks save progress and requeue the rest", self.hostname
+        )
+        self.preemption.preempt()
+
+    def close(self) -> None:
+        self._closing.set()
+        for t in self._threads:
+            t.join(10)  # a sweep in progress finishes before the store closes
+        with contextlib.suppress(Exception), self.store.session() as s:
+            unregister_worker(s, self.hostname)
+        for rs in list(self._replica_sets.values()):
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(rs.aclose(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(5)
+        self.store.dispose()
+        if WorkerRuntime.current is self:
+            WorkerRuntime.current = None
+
+    # -- the lane gate --------------------------------------------------------------------------
+
+    def _on_gate_change(self, lane: str, paused: bool) -> None:
+        """Also stop/start consuming the governed queues ourselves, so a pause holds even for a
+        worker the scheduler's cancel_consumer did not reach."""
+        consumer = self.consumer
+        for q in governed_queues(self.lane, lane):
+            name = self.topology.queue(q)
+            if paused and q not in self._consuming_paused:
+                self._consuming_paused.add(q)
+                if consumer is not None:
+                    consumer.call_soon(consumer.cancel_task_queue, name)
+            elif not paused and q in self._consuming_paused:
+                self._consuming_paused.discard(q)
+                if consumer is not None:
+                    consumer.call_soon(consumer.add_task_queue, name)
+        try:
+            self._register()  # report the new view at once: LaneSwitch may be waiting on it
+        except Exception:
+            log.exception("could not record the lane state of %s", self.hostname)
+
+    def _listen_control(self) -> None:
+        """Hear pause/resume on the ``<ns>.control`` fanout (reconnecting if the broker goes)."""
+        while not self._closing.is_set():
+            try:
+                conn = pika.BlockingConnection(pika_parameters(self.settings.broker_url))
+                try:
+                    ch = conn.channel()
+                    ch.exchange_declare(self.topology.control_exchange, exchange_type="fanout", durable=True)
+                    q = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
+                    ch.queue_bind(q, self.topology.control_exchange)
+                    for _method, _props, body in ch.consume(q, auto_ack=True, inactivity_timeout=1.0):
+                        if self._closing.is_set():
+                            break
+                        if body is None:
+                            continue
+                        msg = parse_lane_control(body)
+                        if msg is not None:
+                            self.gate.apply(msg.lane, msg.action == "pause", f"control message {msg.id}")
+                finally:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+            except Exception as exc:
+                log.debug("lane control listener: %r; reconnecting", exc)
+                self._closing.wait(1.0)
+
+    def _housekeeping(self) -> None:
+        """Heartbeat, persisted lane state (a backstop for missed control messages), and the
+        maintenance sweep (finalisation nobody finished, expiry, cancellations)."""
+        while not self._closing.wait(HOUSEKEEPING_S):
+            try:
+                with self.store.session() as s:
+                    states = lane_states(s)
+                    if time.time() - self._last_heartbeat >= HEARTBEAT_EVERY_S:
+                        register_worker(
+                            s,
+                            hostname=self.hostname,
+                            lane=self.lane,
+                            pid=os.getpid(),
+                            concurrency=self.concurrency,
+                        )
+                        self._last_heartbeat = time.time()
+                for lane, paused in states.items():
+                    self.gate.apply(lane, paused, "persisted state")
+                self.maintenance.sweep()
+            except Exception:
+                log.exception("worker housekeeping failed")
+
+    def _register(self) -> None:
+        paused = [lane for lane, p in self.gate.snapshot().items() if p]
+        with self.store.session() as s:
+            register_worker(
+                s,
+                hostname=self.hostname,
+                lane=self.lane,
+                pid=os.getpid(),
+                concurrency=self.concurrency,
+                paused_lanes=paused,
+            )
+        self._last_heartbeat = time.time()
+
+    def _batch_open(self, batch_id: str) -> bool:
+        with self.store.session() as s:
+            row = (
+                s.connection()
+                .execute(text("SELECT status, final_claim FROM tidal_batches WHERE id = :b"), {"b": batch_id})
+                .first()
+            )
+        return row is not None and row[0] == "in_progress" and row[1] is None
+
+    # -- the chunk task -------------------------------------------------------------------------
+
+    def run_chunk(self, batch_id: str, chunk_no: int) -> str:
+        """The Celery task body. Returns the outcome; raises ``Reject`` to requeue or dead-letter."""
+        try:
+            return self._run_chunk(batch_id, chunk_no)
+        except Reject:
+            raise
+        except Exception as exc:
+            # Acked exceptions would lose the chunk: requeue it; the delivery count bounds loops.
+            log.exception("chunk %s/%s failed; requeueing", batch_id, chunk_no)
+            time.sleep(1.0)
+            raise Reject(repr(exc), requeue=True) from exc
+
+    def _begin(self, batch_id: str, chunk_no: int) -> tuple[Any, BatchRecord] | None:
+        with self.store.session() as s:
+            s.connection().execute(
+                text(
+                    """UPDATE tidal_batch_chunks
+                          SET deliveries = deliveries + 1, state = 'running', worker = :w, heartbeat_at = :now
+                        WHERE batch_id = :b AND chunk_no = :c"""
+                ),
+                {"w": self.hostname, "now": time.time(), "b": batch_id, "c": chunk_no},
+            )
+            chunk = (
+                s.connection()
+                .execute(
+                    text(
+                        "SELECT deliveries, releases, queue_lane FROM tidal_batch_chunks WHERE batch_id = :b AND chunk_no = :c"
+                    ),
+                    {"b": batch_id, "c": chunk_no},
+                )
+                .first()
+            )
+            batch = s.exec(select(BatchRecord).where(BatchRecord.id == batch_id)).first()
+        if chunk is None or batch is None:
+            return None
+        return chunk, batch
+
+    def _pending_lines(self, batch_id: str, chunk_no: int) -> list[PendingLine]:
+        with self.store.session() as s:
+            rows = (
+                s.connection()
+                .execute(
+                    text(
+                        """SELECT line_no, custom_id, body FROM tidal_batch_lines
+                        WHERE batch_id = :b AND chunk_no = :c AND state = 'pending' ORDER BY line_no"""
+                    ),
+                    {"b": batch_id, "c": chunk_no},
+                )
+                .all()
+            )
+        return [PendingLine(r[0], r[1], r[2]) for r in rows]
+
+    def _set_chunk(self, batch_id: str, chunk_no: int, state: str, *, released: bool = False) -> None:
+        extra = ", releases = releases + 1" if released else ""
+        with self.store.session() as s:
+            s.connection().execute(
+                text(
+                    f"UPDATE tidal_batch_chunks SET state = :s{extra} WHERE batch_id = :b AND chunk_no = :c"
+                ),
+                {"s": state, "b": batch_id, "c": chunk_no},
+            )
+
+    def _finalize(self, batch_id: str) -> None:
+        finalize_batch(
+            self.store,
+            self.files,
+            batch_id,
+            kind="complete",
+            clock=self.clock,
+            after_final=self.jobs.after_final,
+        )
+
+    def _run_chunk(self, batch_id: str, chunk_no: int) -> str:
+        begun = self._begin(batch_id, chunk_no)
+        if begun is None:
+            # Another deployment's message (two sharing a namespace but not a database): keep it
+            # visible in the dead-letter queue rather than dropping someone's work.
+            log.error("chunk %s/%s is not in this store; dead-lettering the message", batch_id, chunk_no)
+            raise Reject("unknown chunk", requeue=False)
+        chunk, batch = begun
+        deliveries, releases, queue_lane = int(chunk[0]), int(chunk[1]), str(chunk[2])
+        if batch.status != "in_progress" or batch.final_claim is not None:
+            self._set_chunk(batch_id, chunk_no, "done")
+            return "closed"
+        lines = self._pending_lines(batch_id, chunk_no)
+        if not lines:
+            self._set_chunk(batch_id, chunk_no, "done")
+            self._finalize(batch_id)
+            return "done"
+        unclean = deliveries - 1 - releases  # earlier deliveries that ended without a clean release
+        if unclean >= self.settings.delivery_limit:
+            return self._dead_letter(batch, chunk_no, lines, deliveries)
+        lane = queue_lane if self.lane == "all" else self.lane
+        plan = self._plan(batch, lane)
+        if not plan.replicas:
+            # No replica to send to right now (a pool scaled to zero, replicas not registered
+            # yet): keep the work queued rather than failing it; expiry bounds the wait.
+            log.warning(
+                "no replicas for lane %s (pool %s, group %s); chunk %s/%s goes back to the queue",
+                lane,
+                batch.pool,
+                batch.replica_group,
+                batch_id,
+                chunk_no,
+            )
+            self._set_chunk(batch_id, chunk_no, "queued", released=True)
+            time.sleep(NO_REPLICA_RETRY_S)
+            raise Reject("no replicas", requeue=True)
+        work = ChunkWork(batch_id, chunk_no, plan.lane, batch.priority, batch.endpoint, lines)
+        future = asyncio.run_coroutine_threadsafe(self._execute(work, batch), self._loop)
+        outcome: ChunkOutcome = future.result()
+        if outcome.kind == "done":
+            self._set_chunk(batch_id, chunk_no, "done")
+            self._finalize(batch_id)
+            return "done"
+        if outcome.kind == "closed":
+            self._set_chunk(batch_id, chunk_no, "done")
+            return "closed"
+        # Released: paused, preempted or out of time. Progress is in the store; requeue the rest.
+        self._set_chunk(batch_id, chunk_no, "queued", released=True)
+        log.info(
+            "chunk %s/%s released (%s): %d recorded, %d left",
+            batch_id,
+            chunk_no,
+            outcome.reason,
+            outcome.recorded,
+            outcome.remaining,
+        )
+        if outcome.reason == "paused":
+            time.sleep(PAUSE_REQUEUE_DELAY_S)
+        raise Reject(f"released: {outcome.reason}", requeue=True)
+
+    def _dead_letter(
+        self, batch: BatchRecord, chunk_no: int, lines: list[PendingLine], deliveries: int
+    ) -> str:
+        message = (
+            f"the chunk holding this request was delivered {deliveries} times without finishing "
+            f"(delivery limit {self.settings.delivery_limit}); it was dead-lettered"
+        )
+        record_results(
+            self.store,
+            batch.id,
+            [LineResult.failure(ln.line_no, "delivery_limit_exceeded", message) for ln in lines],
+        )
+        self._set_chunk(batch.id, chunk_no, "dead")
+        log.error("chunk %s/%s dead-lettered after %d deliveries", batch.id, chunk_no, deliveries)
+        self._finalize(batch.id)
+        raise Reject("delivery limit exceeded", requeue=False)
+
+    def _plan(self, batch: BatchRecord, lane: str) -> _Plan:
+        if batch.pool is not None:
+            pools = [self.fleet.pools[batch.pool]] if batch.pool in self.fleet.pools else []
+        else:
+            pools = lane_pools(self.fleet, lane)
+            if not pools and self.lane == "all":
+                # A laptop fleet without that lane's pools: borrow the first lane that has some.
+                pools = next((p for p in (lane_pools(self.fleet, x) for x in LANES) if p), [])
+        if batch.model is not None:
+            # Prefer the pools that serve the batch's model (or the base of its adapter).
+            adapter = self.fleet.adapter(batch.model)
+            base = adapter.base_model if adapter else batch.model
+            pools = [p for p in pools if p.model == base] or pools
+        replicas = [(p, r) for p in pools for r in p.replicas]
+        if batch.replica_group is not None:
+            replicas = [(p, r) for p, r in replicas if r.group == batch.replica_group]
+        return _Plan(lane, replicas)
+
+    async def _execute(self, work: ChunkWork, batch: BatchRecord) -> ChunkOutcome:
+        plan = self._plan(batch, work.lane)
+        key = (work.lane, batch.pool, batch.replica_group)
+        rs = self._replica_sets.get(key)
+        if rs is None:
+            rs = ReplicaSet(
+                [
+                    ReplicaSlot(
+                        r.name,
+                        ReplicaClient(r.base_url, name=r.name, pool_size=p.batch_concurrency_per_replica),
+                        p.batch_concurrency_per_replica,
+                    )
+                    for p, r in plan.replicas
+                ]
+            )
+            self._replica_sets[key] = rs
+        last_beat = time.monotonic()
+
+        async def record(results: list[LineResult]) -> int:
+            nonlocal last_beat
+            n = await asyncio.to_thread(record_results, self.store, work.batch_id, results)
+            if time.monotonic() - last_beat > HEARTBEAT_EVERY_S:
+                last_beat = time.monotonic()
+                await asyncio.to_thread(self._heartbeat, work.batch_id, work.chunk_no)
+            return n
+
+        return await self.executor.run(work, rs, record)
+
+    def _heartbeat(self, batch_id: str, chunk_no: int) -> None:
+        with self.store.session() as s:
+            s.connection().execute(
+                text(
+                    "UPDATE tidal_batch_chunks SET heartbeat_at = :now WHERE batch_id = :b AND chunk_no = :c"
+                ),
+                {"now": time.time(), "b": batch_id, "c": chunk_no},
+            )
