@@ -13,17 +13,30 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from api.auth import KeyStore
 from api.batch_tier import install_batch_tier
 from api.errors import install_error_handlers
+from api.interactive import InteractiveService
+from api.limits import BodyLimit, BodyTooLarge, body_too_large
 from api.routes import ROUTERS
 from api.state import GatewayState
 from tidal import __version__
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 
-__all__ = ["create_app"]
+__all__ = ["GatewayApp", "create_app"]
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, plus the server's own ``send`` in the scope (``tidal.send``): the streaming proxy
+    writes body chunks with it, past the middleware wrappers that only watch for the response
+    start (which still goes through them)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["tidal.send"] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None = None) -> FastAPI:
@@ -33,6 +46,9 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
         fleet, admin_key=settings.admin_key, dev_key=os.environ.get("TIDAL_DEV_API_KEY")
     )
     state = GatewayState(fleet=fleet, settings=settings, keys=keys)
+    state.interactive = InteractiveService(fleet, settings, state.metrics)
+    state.on_startup.append(state.interactive.startup)
+    state.on_shutdown.append(state.interactive.shutdown)
     install_batch_tier(state)
 
     @asynccontextmanager
@@ -45,7 +61,7 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
             for hook in reversed(state.on_shutdown):
                 await hook()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="Tidal gateway",
         version=__version__,
         description="OpenAI-compatible gateway for interactive and batch LLM work on one GPU pool.",
@@ -53,6 +69,9 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
     )
     app.state.tidal = state
     install_error_handlers(app)
+    # File uploads have their own limit (TIDAL_MAX_FILE_BYTES, enforced as they stream in).
+    app.add_middleware(BodyLimit, max_body_bytes=fleet.gateway.max_body_bytes, exempt=("/v1/files",))
+    app.add_exception_handler(BodyTooLarge, body_too_large)
     for router in ROUTERS:
         app.include_router(router)
     return app

@@ -1,5 +1,8 @@
 """Dependencies as ``Annotated`` aliases, so handlers read as typed parameters.
 
+They are ``async def`` although none of them awaits: FastAPI runs plain ``def`` dependencies in
+a worker thread, and that hand-off per request is a large part of a proxied request's cost.
+
 Example::
 
     @router.get("/v1/things")
@@ -14,6 +17,7 @@ from fastapi import Depends, Request
 
 from api.auth import Principal
 from api.errors import APIError
+from api.interactive import InteractiveService
 from api.state import GatewayState
 from batch_jobs.jobs import JobService
 from batch_jobs.service import BatchService
@@ -21,16 +25,18 @@ from batch_jobs.service import BatchService
 __all__ = [
     "AdminDep",
     "BatchDep",
+    "InteractiveDep",
     "JobsDep",
     "PrincipalDep",
     "StateDep",
+    "get_interactive",
     "get_state",
     "require_admin",
     "require_principal",
 ]
 
 
-def get_state(request: Request) -> GatewayState:
+async def get_state(request: Request) -> GatewayState:
     state: GatewayState = request.app.state.tidal
     return state
 
@@ -38,7 +44,7 @@ def get_state(request: Request) -> GatewayState:
 StateDep = Annotated[GatewayState, Depends(get_state)]
 
 
-def require_principal(request: Request, state: StateDep) -> Principal:
+async def require_principal(request: Request, state: StateDep) -> Principal:
     """The caller, from ``Authorization: Bearer <key>``; 401 (OpenAI-shaped) otherwise."""
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
@@ -53,7 +59,7 @@ def require_principal(request: Request, state: StateDep) -> Principal:
 PrincipalDep = Annotated[Principal, Depends(require_principal)]
 
 
-def require_admin(principal: PrincipalDep) -> Principal:
+async def require_admin(principal: PrincipalDep) -> Principal:
     if not principal.admin:
         raise APIError(403, "This endpoint needs an admin key.", code="admin_required")
     return principal
@@ -62,7 +68,16 @@ def require_admin(principal: PrincipalDep) -> Principal:
 AdminDep = Annotated[Principal, Depends(require_admin)]
 
 
-def get_batch_service(state: StateDep) -> BatchService:
+async def get_interactive(state: StateDep) -> InteractiveService:
+    if state.interactive is None:
+        raise APIError(503, "The interactive path is not running in this gateway.", code="not_available")
+    return state.interactive
+
+
+InteractiveDep = Annotated[InteractiveService, Depends(get_interactive)]
+
+
+async def get_batch_service(state: StateDep) -> BatchService:
     if state.batch is None:
         raise APIError(503, "The batch tier is not enabled on this gateway.", code="batch_disabled")
     return state.batch
@@ -71,7 +86,7 @@ def get_batch_service(state: StateDep) -> BatchService:
 BatchDep = Annotated[BatchService, Depends(get_batch_service)]
 
 
-def get_job_service(state: StateDep) -> JobService:
+async def get_job_service(state: StateDep) -> JobService:
     if state.jobs is None:
         raise APIError(503, "The batch tier is not enabled on this gateway.", code="batch_disabled")
     return state.jobs

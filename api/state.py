@@ -13,6 +13,7 @@ from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 
 if TYPE_CHECKING:
+    from api.interactive import InteractiveService
     from batch_jobs.jobs import JobService
     from batch_jobs.service import BatchService
 
@@ -35,6 +36,8 @@ class GatewayState:
     metrics: CollectorRegistry = field(default_factory=CollectorRegistry)
     on_startup: list[LifecycleHook] = field(default_factory=list)
     on_shutdown: list[LifecycleHook] = field(default_factory=list)
+    # The interactive path (api/interactive.py): registry, router, admission, proxy.
+    interactive: InteractiveService | None = None
     # The batch tier (api/batch_tier.py): files, batches and jobs.
     batch: BatchService | None = None
     jobs: JobService | None = None

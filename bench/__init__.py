@@ -11,6 +11,8 @@ __all__ = ["BENCHMARKS"]
 # name -> "module:function"
 BENCHMARKS: dict[str, str] = {
     "autoscale": "bench.autoscale:run",
+    "routing": "bench.routing:run",
+    "gateway": "bench.gateway:run",
     "batch": "bench.batch:run",
     "sim": "bench.sim:run",
 }

@@ -54,6 +54,12 @@ class UpstreamResponse:
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             raise ReplicaStreamError(f"stream from replica broke: {exc!r}", replica=self.replica) from exc
 
+    def abort(self) -> None:
+        """Close the connection now: a reader of :meth:`iter_chunks` gets a
+        :class:`~replicas.errors.ReplicaStreamError` and the replica sees the client go away
+        (vLLM then aborts the request)."""
+        self._resp.close()
+
     async def read(self) -> bytes:
         try:
             return await self._resp.read()
@@ -90,6 +96,8 @@ class ReplicaClient:
     * ``pool_size`` -- most simultaneous connections to this replica.
     * ``connect_timeout`` / ``read_timeout`` -- seconds; ``read_timeout`` bounds the wait for each
       piece of the body (and so the first token), not the whole stream.
+    * ``keepalive_s`` -- how long an idle pooled connection is kept (below the server's own
+      keep-alive timeout, 5 s for vLLM's uvicorn).
     """
 
     def __init__(
@@ -101,11 +109,13 @@ class ReplicaClient:
         connect_timeout: float = 3.0,
         read_timeout: float | None = 600.0,
         name: str | None = None,
+        keepalive_s: float = 4.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.name = name or self.base_url
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._pool_size = pool_size
+        self._keepalive_s = keepalive_s
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
         self._session: aiohttp.ClientSession | None = None
 
@@ -113,7 +123,11 @@ class ReplicaClient:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._pool_size, keepalive_timeout=60, ttl_dns_cache=300)
+            # Idle connections are dropped before uvicorn's (vLLM's) 5 s keep-alive timeout, so a
+            # request is not written onto a connection the server is closing at that moment.
+            connector = aiohttp.TCPConnector(
+                limit=self._pool_size, keepalive_timeout=self._keepalive_s, ttl_dns_cache=300
+            )
             self._session = aiohttp.ClientSession(
                 connector=connector, timeout=self._timeout, headers=self._headers, auto_decompress=False
             )

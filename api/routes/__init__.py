@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.routes import batches, files, health, jobs
+from api.routes import admin, batches, chat, completions, embeddings, files, health, jobs, models
 
 __all__ = ["ROUTERS"]
 
 ROUTERS: list[APIRouter] = [health.router]
+ROUTERS += [chat.router, completions.router, embeddings.router, models.router, admin.router]
 ROUTERS += [files.router, batches.router, jobs.router]

@@ -22,12 +22,18 @@ def check(path: Path) -> None:
 
     Example: tidal fleet check examples/fleet.yaml
     """
+    from router.loader import check_router
     from tidal.fleet import FleetConfigError, load_fleet
 
     try:
         cfg = load_fleet(path)
     except FleetConfigError as exc:
         click.echo(str(exc), err=True)
+        sys.exit(1)
+    router_problems = check_router(cfg.router)
+    if router_problems:
+        lines = "\n".join(f"  {p}" for p in router_problems)
+        click.echo(f"fleet config {path} is invalid:\n{lines}", err=True)
         sys.exit(1)
     for pool in cfg.pools.values():
         shared = " shared" if pool.shared else ""
@@ -37,6 +43,7 @@ def check(path: Path) -> None:
         for r in pool.replicas:
             click.echo(f"  {r.name} {r.base_url} group={r.group} weight={r.weight:g}")
     click.echo(f"features: {', '.join(sorted(cfg.features))}")
+    click.echo(f"router default profile: {cfg.router.default_profile or 'tidal'}")
     click.echo("ok")
 
 

@@ -31,13 +31,18 @@ __all__ = ["gateway"]
 )
 def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
     """Serve the OpenAI-compatible API (chat, completions, embeddings, models, files, batches,
-    jobs) in front of the fleet, with /healthz and /metrics.
+    jobs) in front of the fleet, with /healthz, /metrics and the /admin API (TIDAL_ADMIN_KEY).
 
-    Example: tidal gateway --config fleet.yaml --port 8000
+    Interactive requests are admitted (bounded queue, 429 + Retry-After, overflow to the external
+    provider), routed by the fleet's router profile (default `tidal`: adapter, session and prefix
+    affinity with bounded load) and streamed from capped replicas.
+
+    Example: TIDAL_ADMIN_KEY=... tidal gateway --config fleet.yaml --port 8000
     """
     import uvicorn
 
     from api import create_app
+    from router.loader import RouterConfigError
     from tidal.defaults import DEFAULT_FLEET_PATH
     from tidal.fleet import FleetConfigError, load_fleet
     from tidal.settings import get_settings
@@ -49,7 +54,11 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
     except FleetConfigError as exc:
         click.echo(str(exc), err=True)
         sys.exit(1)
-    app = create_app(fleet, settings)
+    try:
+        app = create_app(fleet, settings)
+    except RouterConfigError as exc:
+        click.echo(f"fleet config {path}: {exc}", err=True)
+        sys.exit(1)
     click.echo(f"gateway on http://{host}:{port} (fleet {path})")
     uvicorn.run(
         app,

@@ -75,8 +75,12 @@ def batch_broker_env(data_dir: Path) -> tuple[dict[str, str], str | None]:
     return env, note
 
 
-def plan_parts(fleet_path: Path, *, port: int, api_key: str, data_dir: Path) -> list[Part]:
-    """The processes ``tidal up`` runs for a fleet, in start order."""
+def plan_parts(
+    fleet_path: Path, *, port: int, api_key: str, data_dir: Path, admin_key: str | None = None
+) -> list[Part]:
+    """The processes ``tidal up`` runs for a fleet, in start order. The gateway and the scheduler
+    share ``admin_key`` (``TIDAL_ADMIN_KEY``; generated when not given), which the scheduler uses
+    on the gateway's ``/admin`` API."""
     from tidal.fleet import load_fleet
 
     fleet = load_fleet(fleet_path)
@@ -116,6 +120,7 @@ def plan_parts(fleet_path: Path, *, port: int, api_key: str, data_dir: Path) -> 
                 )
             )
     common_env = {"TIDAL_DATA_DIR": str(data_dir), "TIDAL_DEV_API_KEY": api_key}
+    admin_env = {**common_env, "TIDAL_ADMIN_KEY": admin_key or f"tidal-admin-{secrets.token_urlsafe(24)}"}
     parts.append(
         Part(
             "gateway",
@@ -123,7 +128,7 @@ def plan_parts(fleet_path: Path, *, port: int, api_key: str, data_dir: Path) -> 
             ["--config", str(fleet_path), "--port", str(port)],
             port,
             health_path="/healthz",
-            env=common_env,
+            env=admin_env,
             describe="OpenAI-compatible API: chat, completions, embeddings, files, batches",
         )
     )
@@ -140,8 +145,8 @@ def plan_parts(fleet_path: Path, *, port: int, api_key: str, data_dir: Path) -> 
         Part(
             "scheduler",
             "scheduler",
-            ["--config", str(fleet_path)],
-            env=common_env,
+            ["--config", str(fleet_path), "--gateway", f"http://127.0.0.1:{port}"],
+            env=admin_env,
             describe="batch gate, autoscaler, health prober, canary",
         )
     )
@@ -216,9 +221,10 @@ def up(
 
     fleet_path = (config or DEFAULT_FLEET_PATH).resolve()
     key = api_key or f"tidal-dev-{secrets.token_urlsafe(24)}"
+    admin_key = os.environ.get("TIDAL_ADMIN_KEY") or f"tidal-admin-{secrets.token_urlsafe(24)}"
     data_dir.mkdir(parents=True, exist_ok=True)
     logs = data_dir / "logs"
-    parts = plan_parts(fleet_path, port=port, api_key=key, data_dir=data_dir.resolve())
+    parts = plan_parts(fleet_path, port=port, api_key=key, data_dir=data_dir.resolve(), admin_key=admin_key)
     broker_env, broker_note = batch_broker_env(data_dir.resolve())
     for part in parts:
         part.env.update(broker_env)
@@ -266,7 +272,7 @@ def up(
             elif not proc.running():
                 raise ReplicaStartError(f"{part.name} exited at start:\n{proc.log_tail()}")
         if not stop.is_set():
-            _print_summary(running, missing, key, port)
+            _print_summary(running, missing, key, port, admin_key)
         while not stop.is_set():
             for part, proc in running:
                 if not proc.running():
@@ -287,7 +293,9 @@ def up(
         click.echo("bye")
 
 
-def _print_summary(running: Sequence[tuple[Part, object]], missing: list[Part], key: str, port: int) -> None:
+def _print_summary(
+    running: Sequence[tuple[Part, object]], missing: list[Part], key: str, port: int, admin_key: str
+) -> None:
     click.echo("")
     width = max((len(p.name) for p, _ in running), default=8)
     for part, _ in running:
@@ -297,6 +305,7 @@ def _print_summary(running: Sequence[tuple[Part, object]], missing: list[Part], 
         click.echo(f"  {part.name:<{width}}  {'not available yet':<24}  {part.describe}")
     if any(p.command == "gateway" for p, _ in running):
         click.echo(f"\nOpenAI base URL: http://127.0.0.1:{port}/v1   API key: {key}")
+        click.echo(f"Admin API: http://127.0.0.1:{port}/admin   admin key: {admin_key}")
     click.echo("Ready. Ctrl-C stops everything.")
     sys.stdout.flush()
     time.sleep(0)

@@ -1,0 +1,393 @@
+"""The interactive path as one service: registry, router, admission, adapters, scraper and proxy.
+
+Route handlers call :meth:`InteractiveService.prepare` (model, feature, policy, routing keys:
+every refusal is an OpenAI-shaped 4xx before anything waits) and return the
+:class:`~api.proxy.ProxyResponse` it builds; the admin routes call the replica operations.
+
+Example::
+
+    service = InteractiveService(fleet, settings, prom_registry)
+    await service.startup()
+    job = service.prepare("/v1/chat/completions", request, principal, headers)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from prometheus_client import CollectorRegistry
+
+from api.auth import Principal
+from api.errors import APIError
+from api.metrics import GatewayMetrics
+from api.proxy import Proxy, ProxyJob, ProxyResponse
+from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from priority.admission import Admission, Outcome
+from priority.features import FEATURE_HEADER, PlanError, estimate_tokens, plan_request, resolve_feature
+from replicas.client import ReplicaClient
+from router.adapters import AdapterManager
+from router.loader import build_router
+from router.plugins.producers.block_index import INDEX_TYPE, TREE_TYPE
+from router.prefix import chat_prefix_key, completion_prefix_key, render_messages, text_blocks
+from router.registry import ReplicaRegistry, ReplicaState
+from router.scraper import MetricsScraper
+from router.types import RouteRequest
+from tidal.clock import Clock, SystemClock
+from tidal.fleet import FleetConfig
+from tidal.settings import Settings
+
+__all__ = ["SESSION_HEADER", "InteractiveService"]
+
+SESSION_HEADER = "X-Session-Id"
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def _provider_base(url: str) -> str:
+    """OpenAI-style provider URLs end in ``/v1``; the replica client adds ``/v1/...`` itself."""
+    parts = urlsplit(url.rstrip("/"))
+    path = parts.path[:-3] if parts.path.endswith("/v1") else parts.path
+    return urlunsplit((parts.scheme, parts.netloc, path, "", "")).rstrip("/")
+
+
+class InteractiveService:
+    """Everything one gateway process needs to serve interactive requests."""
+
+    def __init__(
+        self,
+        fleet: FleetConfig,
+        settings: Settings,
+        prom: CollectorRegistry,
+        *,
+        clock: Clock | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.registry = ReplicaRegistry.from_fleet(fleet, self.clock)
+        self.metrics = GatewayMetrics(prom, self.clock)
+        # A bad router: section fails here, at start, with every offending key named.
+        self.router = build_router(fleet.router, clock=self.clock, seed=seed, observer=self.metrics)
+        self.admission = Admission(
+            capacity=self.registry,
+            clock=self.clock,
+            max_queue=fleet.gateway.max_queue,
+            overflow_available=fleet.external_provider is not None,
+            on_outcome=self.metrics.outcome,
+        )
+        self.metrics.attach_live(self.registry, self.admission)
+        self.adapters = AdapterManager(
+            self.registry,
+            {a.name: a.path for a in fleet.adapters},
+            on_evict=lambda replica, _: self.metrics.adapter_evictions.labels(replica).inc(),
+        )
+        self.scraper = MetricsScraper(
+            self.registry, interval_s=fleet.gateway.scrape_interval_s, clock=self.clock
+        )
+        self.external: ReplicaClient | None = None
+        provider = fleet.external_provider
+        if provider is not None:
+            key = os.environ.get(provider.api_key_env) if provider.api_key_env else None
+            self.external = ReplicaClient(
+                _provider_base(str(provider.url)),
+                api_key=key,
+                read_timeout=provider.timeout_s,
+                name="external",
+            )
+        self.proxy = Proxy(
+            registry=self.registry,
+            router=self.router,
+            admission=self.admission,
+            adapters=self.adapters,
+            metrics=self.metrics,
+            clock=self.clock,
+            external=self.external,
+            external_model=provider.model if provider else None,
+            retry_before_first_token=fleet.gateway.retry_before_first_token,
+        )
+        default = self.router.profiles[self.router.default]
+        # Block hashes cost time per request; compute them only for profiles that read them.
+        self.needs_blocks = any(p.TYPE in (INDEX_TYPE, TREE_TYPE) for p in default.producers)
+        self._scrape_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def _client_for(self, state: ReplicaState) -> ReplicaClient:
+        return ReplicaClient(state.url, name=state.name)
+
+    async def startup(self) -> None:
+        for state in self.registry:
+            if state.client is None:
+                state.client = self._client_for(state)
+        self._scrape_task = asyncio.get_running_loop().create_task(self.scraper.run_forever())
+
+    async def shutdown(self) -> None:
+        tasks = [t for t in (self._scrape_task, *self._background) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for state in self.registry:
+            if isinstance(state.client, ReplicaClient):
+                await state.client.aclose()
+        if self.external is not None:
+            await self.external.aclose()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def _model(self, name: str) -> tuple[str, str | None]:
+        if any(m.name == name for m in self.fleet.models):
+            return name, None
+        adapter = self.fleet.adapter(name)
+        if adapter is not None:
+            return adapter.base_model, adapter.name
+        raise APIError(
+            404,
+            f"The model '{name[:200]}' does not exist or you do not have access to it.",
+            param="model",
+            code="model_not_found",
+        )
+
+    def prepare(
+        self,
+        path: str,
+        request: ChatCompletionRequest | CompletionRequest | EmbeddingRequest,
+        principal: Principal,
+        headers: Mapping[str, str],
+    ) -> ProxyResponse:
+        """Check, plan and key one request; every refusal raises an OpenAI-shaped :class:`APIError`."""
+        arrived = self.clock.now()
+        base, adapter = self._model(request.model)
+        body = request.model_dump(exclude_unset=True, exclude_none=True)
+        body["model"] = request.model
+        prefix_key: int | None
+        blocks: tuple[int, ...] = ()
+        limit: int | None
+        if isinstance(request, ChatCompletionRequest):
+            messages = body["messages"]
+            size = sum(len(str(m.get("content") or "").encode()) for m in messages)
+            if request.tools:
+                size += len(str(request.tools).encode())
+            prefix_key = chat_prefix_key(messages, body.get("tools"))
+            if self.needs_blocks:
+                blocks = text_blocks(render_messages(messages))
+            limit = request.token_limit
+            stream = request.stream
+        else:
+            items = request.prompt if isinstance(request, CompletionRequest) else request.input
+            size = _prompt_size(items)
+            prefix_key = completion_prefix_key(items)
+            if self.needs_blocks and isinstance(items, str):
+                blocks = text_blocks(items)
+            limit = request.max_tokens if isinstance(request, CompletionRequest) else None
+            if isinstance(request, CompletionRequest) and limit is None:
+                limit = 16  # the OpenAI and vLLM default for completions
+            stream = isinstance(request, CompletionRequest) and request.stream
+        try:
+            feature = resolve_feature(
+                self.fleet, headers.get(FEATURE_HEADER), principal.features, principal.default_feature
+            )
+            plan = plan_request(
+                self.fleet, feature, model=base, prompt_tokens=estimate_tokens(size), max_tokens=limit
+            )
+        except PlanError as exc:
+            if exc.code == "context_length_exceeded":
+                spec = self.fleet.features[feature]
+                self.admission.count(spec.class_, feature, Outcome.CONTEXT_CAP)
+            raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
+        if adapter is not None and plan.pool is not None:
+            pool = plan.pool
+            if not any(s.max_loras > 0 or adapter in s.adapters for s in self.registry.in_pool(pool)):
+                raise APIError(
+                    404,
+                    f"The adapter '{adapter}' cannot be served: no replica of the '{pool}' pool takes LoRA adapters.",
+                    param="model",
+                    code="model_not_found",
+                )
+        if plan.pool is not None:
+            body["priority"] = plan.class_spec.priority
+        session = headers.get(SESSION_HEADER) or request.user
+        route = RouteRequest(
+            model=base,
+            adapter=adapter,
+            prefix_key=prefix_key,
+            prefix_blocks=blocks,
+            session_key=session[:256] if session else None,
+            prompt_tokens=plan.prompt_tokens,
+        )
+        job = ProxyJob(path, body, stream, plan, route, adapter, arrived)
+        return ProxyResponse(job, self.proxy.run)
+
+    # -- admin ------------------------------------------------------------------------------------
+
+    def replica_json(self, state: ReplicaState) -> dict[str, Any]:
+        snap = state.snapshot
+        now = self.clock.now()
+        return {
+            "name": state.name,
+            "url": state.url,
+            "pool": state.pool,
+            "group": state.group,
+            "weight": state.weight,
+            "healthy": state.healthy,
+            "draining": state.draining,
+            "inflight": state.inflight,
+            "cap": state.cap.value,
+            "loaded_adapters": sorted(state.adapters),
+            "snapshot": None
+            if snap is None
+            else {
+                "num_running": snap.num_running,
+                "num_waiting": snap.num_waiting,
+                "kv_cache_usage": snap.kv_cache_usage,
+                "prefix_cache_queries": snap.prefix_cache_queries,
+                "prefix_cache_hits": snap.prefix_cache_hits,
+                "num_preemptions": snap.num_preemptions,
+                "generation_tokens": snap.generation_tokens,
+                "running_lora_adapters": sorted(snap.running_lora_adapters),
+                "waiting_lora_adapters": sorted(snap.waiting_lora_adapters),
+            },
+            "snapshot_age_s": None if state.snapshot_at is None else round(now - state.snapshot_at, 3),
+        }
+
+    def add_replica(
+        self, *, name: str, url: str, pool: str, group: str, weight: float, max_loras: int
+    ) -> ReplicaState:
+        spec = self.fleet.pools.get(pool)
+        if spec is None:
+            raise APIError(
+                400,
+                f"Unknown pool '{pool}' (known: {', '.join(sorted(self.fleet.pools))}).",
+                param="pool",
+                code="unknown_pool",
+            )
+        if self.registry.get(name) is not None:
+            raise APIError(
+                409, f"A replica named '{name}' already exists.", param="name", code="replica_exists"
+            )
+        slo = min(c.tpot_slo_s for c in self.fleet.classes.values())
+        state = ReplicaState(
+            name=name,
+            url=url.rstrip("/"),
+            pool=pool,
+            model=spec.model,
+            cap=ReplicaRegistry.new_cap(spec, slo, self.clock),
+            group=group,
+            weight=weight,
+            max_loras=max_loras,
+        )
+        state.client = self._client_for(state)
+        self.registry.add(state)
+        self.proxy.slot_freed(pool)
+        return state
+
+    def patch_replica(
+        self, name: str, *, healthy: bool | None, draining: bool | None, weight: float | None
+    ) -> ReplicaState:
+        state = self._replica(name)
+        if weight is not None:
+            state.weight = weight
+        if draining is not None:
+            state.draining = draining
+        if healthy is not None:
+            state.healthy = healthy
+            if not healthy:
+                # Fail fast: before the first token the proxy retries elsewhere; after it the
+                # client's stream ends with a retryable error event.
+                for handle in list(state.handles):
+                    handle.abort(f"replica {name} was marked unhealthy")
+        self.proxy.slot_freed(state.pool)
+        return state
+
+    def _replica(self, name: str) -> ReplicaState:
+        state = self.registry.get(name)
+        if state is None:
+            raise APIError(404, f"No replica named '{name[:200]}'.", param="name", code="replica_not_found")
+        return state
+
+    async def remove_replica(self, name: str, timeout_s: float) -> tuple[bool, int]:
+        """Drain (no new requests, in-flight ones finish), then deregister. Returns ``(removed,
+        inflight)``; when the drain outlasts ``timeout_s`` the removal finishes in the background."""
+        state = self._replica(name)
+        state.draining = True
+        deadline = time.monotonic() + timeout_s
+        while state.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if state.inflight > 0:
+            task = asyncio.get_running_loop().create_task(self._remove_when_drained(state))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return False, state.inflight
+        await self._deregister(state)
+        return True, 0
+
+    async def _remove_when_drained(self, state: ReplicaState) -> None:
+        while state.inflight > 0 and not state.removed:
+            await asyncio.sleep(0.1)
+        if not state.removed:
+            await self._deregister(state)
+
+    async def _deregister(self, state: ReplicaState) -> None:
+        if self.registry.get(state.name) is state:
+            self.registry.remove(state.name)
+        if isinstance(state.client, ReplicaClient):
+            await state.client.aclose()
+
+    def load_json(self) -> dict[str, Any]:
+        """The scheduler's signal source (``GET /admin/load``), cheap enough to poll every 250 ms."""
+        pools: dict[str, Any] = {}
+        for pool in self.registry.pools():
+            states = self.registry.in_pool(pool)
+            snaps = [s.snapshot for s in states if s.snapshot is not None and s.healthy]
+            kv = [s.kv_cache_usage for s in snaps]
+            w = self.metrics.pool(pool)
+            requests = w.requests.count()
+            pools[pool] = {
+                "queue_depth": self.admission.queue_depth(pool),
+                "queue_wait_p95_s": _finite(self.admission.queue_wait_quantile(pool, 0.95)),
+                "ttft_p95_s": _finite(w.ttft.quantile(0.95)),
+                "tpot_p95_s": _finite(w.tpot.quantile(0.95)),
+                "inflight": sum(s.inflight for s in states),
+                "kv_cache_usage_max": max(kv) if kv else None,
+                "kv_cache_usage_mean": sum(kv) / len(kv) if kv else None,
+                "num_waiting": sum(s.num_waiting for s in snaps),
+                "replicas_healthy": sum(1 for s in states if s.healthy and not s.draining),
+                "replicas_total": len(states),
+                "requests_per_s": w.requests.rate(),
+                "error_rate": w.errors.count() / requests if requests else 0.0,
+            }
+        groups: dict[str, Any] = {}
+        for name, g in self.metrics.groups.items():
+            assert g.window_requests is not None and g.window_errors is not None
+            recent = g.window_requests.count()
+            groups[name] = {
+                "requests": g.requests,
+                "errors": g.errors,
+                "error_rate": g.window_errors.count() / recent if recent else 0.0,
+            }
+        for state in self.registry:
+            groups.setdefault(state.group, {"requests": 0, "errors": 0, "error_rate": 0.0})
+        return {"time": time.time(), "pools": pools, "groups": groups}
+
+
+def _prompt_size(items: Any) -> int:
+    """Bytes of the largest prompt in a completion/embedding request (ids count 4 bytes each)."""
+    if isinstance(items, str):
+        return len(items.encode())
+    if isinstance(items, list) and items:
+        if isinstance(items[0], int):
+            return 4 * len(items)
+        return max(_prompt_size(x) for x in items)
+    return 0

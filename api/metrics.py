@@ -1,0 +1,228 @@
+"""The gateway's own metrics: Prometheus series and the sliding windows ``GET /admin/load`` reads.
+
+Prometheus (``GET /metrics``):
+
+* ``tidal_gateway_ttft_seconds``, ``tidal_gateway_tpot_seconds``,
+  ``tidal_gateway_queue_wait_seconds`` -- histograms by pool and class (measured by the gateway);
+* ``tidal_admission_outcomes_total{class, feature, outcome}`` -- admitted, queued,
+  rejected_429, overflowed, context_cap_400, errors;
+* ``tidal_router_decisions_total{profile, replica}``, ``tidal_router_prefix_total{result}``
+  (hit / followed / walked / miss / none), ``tidal_router_session_total{result}``,
+  ``tidal_router_ring_walks_total``, ``tidal_router_adapter_loads_total{replica}``,
+  ``tidal_router_adapter_evictions_total{replica}``,
+  ``tidal_router_plugin_duration_seconds{extension, type, name}``;
+* ``tidal_gateway_retries_total{reason}``, ``tidal_gateway_upstream_errors_total{replica}``,
+  ``tidal_gateway_overflow_requests_total{result}``;
+* ``tidal_gateway_replica_inflight{replica, pool}``, ``tidal_gateway_replica_cap{replica, pool}``,
+  ``tidal_admission_queue_depth{pool}`` -- read from live state at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from priority.admission import Admission, Outcome
+from priority.window import SlidingWindow
+from router.registry import ReplicaRegistry
+from router.types import RouteResult
+from tidal.clock import Clock
+
+__all__ = ["GatewayMetrics", "PoolWindows"]
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
+_PLUGIN = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
+
+
+@dataclass
+class PoolWindows:
+    """What happened on one pool over the last few seconds."""
+
+    ttft: SlidingWindow
+    tpot: SlidingWindow
+    requests: SlidingWindow
+    errors: SlidingWindow
+
+
+@dataclass
+class _Group:
+    requests: int = 0
+    errors: int = 0
+    window_requests: SlidingWindow | None = None
+    window_errors: SlidingWindow | None = None
+
+
+@dataclass(eq=False)
+class _LiveState(Collector):
+    registry: ReplicaRegistry
+    admission: Admission
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        inflight = GaugeMetricFamily(
+            "tidal_gateway_replica_inflight",
+            "Interactive requests in flight per replica",
+            labels=["replica", "pool"],
+        )
+        cap = GaugeMetricFamily(
+            "tidal_gateway_replica_cap", "Adaptive in-flight cap per replica", labels=["replica", "pool"]
+        )
+        for s in self.registry:
+            inflight.add_metric([s.name, s.pool], s.inflight)
+            cap.add_metric([s.name, s.pool], s.cap.value)
+        depth = GaugeMetricFamily(
+            "tidal_admission_queue_depth", "Requests waiting in the gateway", labels=["pool"]
+        )
+        for pool in self.registry.pools():
+            depth.add_metric([pool], self.admission.queue_depth(pool))
+        yield inflight
+        yield cap
+        yield depth
+
+
+@dataclass
+class GatewayMetrics:
+    """Prometheus series plus the windows behind ``/admin/load``; also the router's observer."""
+
+    prom: CollectorRegistry
+    clock: Clock
+    window_s: float = 5.0
+    pools: dict[str, PoolWindows] = field(default_factory=dict)
+    groups: dict[str, _Group] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        r = self.prom
+        self.ttft = Histogram(
+            "tidal_gateway_ttft_seconds",
+            "Time to first token seen by the gateway",
+            ["pool", "class"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "tidal_gateway_tpot_seconds",
+            "Time per output token of streamed requests",
+            ["pool", "class"],
+            buckets=_TPOT,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "tidal_gateway_queue_wait_seconds",
+            "Time waiting in the gateway queue",
+            ["pool", "class"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.outcomes = Counter(
+            "tidal_admission_outcomes", "Admission outcomes", ["class", "feature", "outcome"], registry=r
+        )
+        self.decisions = Counter(
+            "tidal_router_decisions", "Routing decisions", ["profile", "replica"], registry=r
+        )
+        self.prefix = Counter("tidal_router_prefix", "Prefix-ring placement results", ["result"], registry=r)
+        self.session = Counter(
+            "tidal_router_session", "Session-ring placement results", ["result"], registry=r
+        )
+        self.ring_walks = Counter(
+            "tidal_router_ring_walks", "Replicas skipped on the ring (over the load bound)", registry=r
+        )
+        self.adapter_loads = Counter(
+            "tidal_router_adapter_loads", "LoRA adapters loaded", ["replica"], registry=r
+        )
+        self.adapter_evictions = Counter(
+            "tidal_router_adapter_evictions", "LoRA adapters unloaded to make room", ["replica"], registry=r
+        )
+        self.plugin_seconds = Histogram(
+            "tidal_router_plugin_duration_seconds",
+            "Time in each router plugin call",
+            ["extension", "type", "name"],
+            buckets=_PLUGIN,
+            registry=r,
+        )
+        self.retries = Counter(
+            "tidal_gateway_retries", "Requests retried on another replica", ["reason"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "tidal_gateway_upstream_errors", "Upstream failures by replica", ["replica"], registry=r
+        )
+        self.overflow_requests = Counter(
+            "tidal_gateway_overflow_requests",
+            "Requests sent to the external provider",
+            ["result"],
+            registry=r,
+        )
+        self._plugin_children: dict[tuple[str, str, str], Any] = {}
+
+    def attach_live(self, registry: ReplicaRegistry, admission: Admission) -> None:
+        self.prom.register(_LiveState(registry, admission))
+
+    def pool(self, name: str) -> PoolWindows:
+        w = self.pools.get(name)
+        if w is None:
+            mk: Callable[[], SlidingWindow] = lambda: SlidingWindow(self.window_s, self.clock)  # noqa: E731
+            w = self.pools[name] = PoolWindows(mk(), mk(), mk(), mk())
+        return w
+
+    def group(self, name: str) -> _Group:
+        g = self.groups.get(name)
+        if g is None:
+            g = self.groups[name] = _Group(
+                window_requests=SlidingWindow(self.window_s, self.clock),
+                window_errors=SlidingWindow(self.window_s, self.clock),
+            )
+        return g
+
+    # -- recording -------------------------------------------------------------------------------
+
+    def outcome(self, class_name: str, feature: str, outcome: Outcome) -> None:
+        self.outcomes.labels(class_name, feature, outcome.value).inc()
+
+    def request_done(self, pool: str, group: str | None, *, failed: bool) -> None:
+        w = self.pool(pool)
+        w.requests.add()
+        if failed:
+            w.errors.add()
+        if group is not None:
+            g = self.group(group)
+            g.requests += 1
+            assert g.window_requests is not None and g.window_errors is not None
+            g.window_requests.add()
+            if failed:
+                g.errors += 1
+                g.window_errors.add()
+
+    def first_token(self, pool: str, class_name: str, ttft_s: float) -> None:
+        self.ttft.labels(pool, class_name).observe(ttft_s)
+        self.pool(pool).ttft.add(ttft_s)
+
+    def token_time(self, pool: str, class_name: str, tpot_s: float) -> None:
+        self.tpot.labels(pool, class_name).observe(tpot_s)
+        self.pool(pool).tpot.add(tpot_s)
+
+    # -- RouterObserver ----------------------------------------------------------------------------
+
+    def plugin_timed(self, kind: str, type_: str, name: str, seconds: float) -> None:
+        key = (kind, type_, name)
+        child = self._plugin_children.get(key)
+        if child is None:
+            child = self._plugin_children[key] = self.plugin_seconds.labels(kind, type_, name)
+        child.observe(seconds)
+
+    def decided(self, profile: str, result: RouteResult | None) -> None:
+        if result is None:
+            self.decisions.labels(profile, "none").inc()
+            return
+        self.decisions.labels(profile, result.replica.name).inc()
+        notes = result.notes
+        if "prefix" in notes:
+            self.prefix.labels(notes["prefix"]).inc()
+        if "session" in notes:
+            self.session.labels(notes["session"]).inc()
+        walks = notes.get("ring_walks")
+        if walks:
+            self.ring_walks.inc(walks)

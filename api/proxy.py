@@ -1,0 +1,564 @@
+"""The streaming proxy: admission wait, routing, one retry before the first token, SSE pass-through.
+
+Route handlers validate and plan a request, then return a :class:`ProxyResponse`; everything
+that waits happens inside it, where the client's disconnect is watched:
+
+1. **Admission** (:class:`~priority.admission.Admission`): admitted at once, queued (bounded,
+   class priority, until the class's wait budget), overflowed to the external provider, or
+   refused with 429 and ``Retry-After``.
+2. **Routing** (:class:`~router.framework.Router`) over the pool's replica views; a LoRA adapter
+   the chosen replica lacks is loaded first (:class:`~router.adapters.AdapterManager`).
+3. **Upstream**: the request goes to the replica's pooled connection with vLLM ``priority`` set
+   from the class. Until the first token nothing reaches the client, so a failure there
+   (connection refused, 5xx, 429/503 from the engine, an error event, the replica marked
+   unhealthy) is retried once on another replica. After that the bytes stream through untouched
+   (an upstream chunk is parsed only until the first token); a failure mid-stream ends the stream
+   with ``data: {"error": {..., "code": "upstream_failed", "retryable": true}}`` and
+   ``data: [DONE]``.
+4. **Disconnect**: when the client goes away the upstream connection is closed (vLLM aborts the
+   request), a queued request leaves the queue, and nothing more is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from api.errors import error_body
+from api.metrics import GatewayMetrics
+from priority.admission import Admission, Decision, Outcome, Ticket, Verdict
+from priority.features import RequestPlan
+from replicas.client import ReplicaClient, UpstreamResponse
+from replicas.errors import (
+    ReplicaError,
+    ReplicaServerError,
+    ReplicaStreamError,
+    ReplicaUnavailable,
+    error_from_status,
+)
+from router.adapters import AdapterManager
+from router.framework import Router
+from router.registry import ReplicaRegistry, ReplicaState
+from router.types import RouteRequest
+from tidal.clock import Clock
+
+__all__ = ["Proxy", "ProxyJob", "ProxyResponse", "UpstreamHandle"]
+
+log = logging.getLogger(__name__)
+
+# Request ids: a random per-process prefix and a counter (uuid4 per request costs more).
+_ID_PREFIX = f"tidal-{secrets.token_hex(6)}-"
+_IDS = itertools.count(1)
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_STREAM_FAILED = (
+    b'data: {"error": {"message": "the replica failed while streaming; the request may be retried", '
+    b'"type": "server_error", "param": null, "code": "upstream_failed", "retryable": true}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+class _Aborted(ReplicaUnavailable):
+    """The attempt was aborted on purpose (replica marked unhealthy, or the client left)."""
+
+
+class UpstreamHandle:
+    """One attempt on one upstream; :meth:`abort` fails it fast from another task."""
+
+    __slots__ = ("reason", "resp", "task")
+
+    def __init__(self) -> None:
+        self.resp: UpstreamResponse | None = None
+        self.task: asyncio.Task[Any] | None = None  # set while waiting for response headers
+        self.reason: str | None = None
+
+    def abort(self, reason: str) -> None:
+        if self.reason is not None:
+            return
+        self.reason = reason
+        if self.resp is not None:
+            self.resp.abort()
+        elif self.task is not None:
+            self.task.cancel()
+
+
+@dataclass(eq=False)
+class ProxyJob:
+    """One request on its way through the proxy."""
+
+    path: str
+    body: dict[str, Any]
+    stream: bool
+    plan: RequestPlan
+    route: RouteRequest
+    adapter: str | None
+    arrived: float
+    request_id: str = field(default_factory=lambda: f"{_ID_PREFIX}{next(_IDS):x}")
+    client_gone: bool = False
+    sent: bool = False
+    prefilled: bool = False
+    handle: UpstreamHandle | None = None
+    waiter: asyncio.Future[str] | None = None
+    raw_send: Send | None = None  # the server's send, past the middleware wrappers
+
+    def disconnected(self) -> None:
+        self.client_gone = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result("gone")
+        if self.handle is not None:
+            self.handle.abort("the client went away")
+
+
+class _FirstToken:
+    """Scans SSE bytes until the first event that carries output (or an error, or the end)."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, piece: bytes) -> str | None:
+        self._buf += piece
+        while True:
+            sep = self._buf.find(b"\n\n")
+            if sep == -1:
+                return None
+            event, self._buf = self._buf[:sep], self._buf[sep + 2 :]
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    return "done"
+                try:
+                    obj = json.loads(payload)
+                except ValueError:
+                    continue
+                if not isinstance(obj, dict):
+                    continue
+                if "error" in obj and not obj.get("choices"):
+                    return "error"
+                for choice in obj.get("choices") or ():
+                    if not isinstance(choice, dict):
+                        continue
+                    delta = choice.get("delta")
+                    if choice.get("text") or choice.get("finish_reason"):
+                        return "token"
+                    if isinstance(delta, dict) and any(
+                        delta.get(k) for k in ("content", "tool_calls", "reasoning_content", "reasoning")
+                    ):
+                        return "token"
+
+
+async def _send_json(
+    send: Send, status: int, body: dict[str, Any] | bytes, headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+def _json_dict(raw: bytes) -> dict[str, Any] | None:
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _upstream_error_body(status: int, raw: bytes) -> dict[str, Any]:
+    """A replica's error, reshaped as OpenAI's (vLLM puts the HTTP status in ``code``)."""
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = None
+    err = parsed.get("error") if isinstance(parsed, dict) else None
+    if isinstance(err, dict):
+        message = str(err.get("message") or raw[:500].decode(errors="replace"))
+        param = err.get("param") if isinstance(err.get("param"), str) else None
+        code = err.get("code")
+        return error_body(status, message, param=param, code=code if isinstance(code, str) else None)
+    return error_body(
+        status, raw[:500].decode(errors="replace").strip() or f"upstream answered HTTP {status}"
+    )
+
+
+@dataclass
+class _Target:
+    """Where one attempt goes: a replica of the registry, or the external provider."""
+
+    name: str
+    client: ReplicaClient
+    state: ReplicaState | None = None
+
+
+class Proxy:
+    """Runs a :class:`ProxyJob` to completion, writing the HTTP response with raw ASGI ``send``."""
+
+    def __init__(
+        self,
+        *,
+        registry: ReplicaRegistry,
+        router: Router,
+        admission: Admission,
+        adapters: AdapterManager,
+        metrics: GatewayMetrics,
+        clock: Clock,
+        external: ReplicaClient | None = None,
+        external_model: str | None = None,
+        retry_before_first_token: bool = True,
+    ) -> None:
+        self.registry = registry
+        self.router = router
+        self.admission = admission
+        self.adapters = adapters
+        self.metrics = metrics
+        self.clock = clock
+        self.external = external
+        self.external_model = external_model
+        self.attempts = 2 if retry_before_first_token else 1
+
+    # -- capacity ---------------------------------------------------------------------------------
+
+    def slot_freed(self, pool: str) -> None:
+        """Hand freed slots to waiting requests (most urgent class first)."""
+        for ticket in self.admission.wake(pool):
+            fut = ticket.payload
+            if isinstance(fut, asyncio.Future) and not fut.done():
+                fut.set_result("granted")
+            else:
+                self.admission.release(ticket)
+
+    # -- entry point ------------------------------------------------------------------------------
+
+    async def run(self, job: ProxyJob, send: Send) -> None:
+        plan = job.plan
+        if plan.external or plan.pool is None:
+            await self._external(job, send)
+            return
+        pool = plan.pool
+        verdict, ticket = self.admission.offer(
+            pool,
+            plan.class_name,
+            priority=plan.class_spec.priority,
+            wait_budget_s=plan.class_spec.wait_budget_s,
+            feature=plan.feature,
+            regulated=plan.feature_spec.regulated,
+        )
+        if verdict.decision is Decision.QUEUE:
+            verdict = await self._wait(job, ticket)
+            if job.client_gone:
+                return
+        if verdict.decision is Decision.REJECT:
+            retry_after = verdict.retry_after_s or 1
+            await _send_json(
+                send,
+                429,
+                error_body(
+                    429,
+                    f"The '{pool}' pool is saturated ({verdict.reason}); retry after {retry_after} s.",
+                    code="pool_saturated",
+                ),
+                ((b"retry-after", str(retry_after).encode()),),
+            )
+            self.metrics.request_done(pool, None, failed=False)
+            return
+        if verdict.decision is Decision.OVERFLOW:
+            await self._external(job, send)
+            return
+        self.metrics.queue_wait.labels(pool, plan.class_name).observe(ticket.waited_s)
+        await self._serve(job, ticket, send)
+
+    async def _wait(self, job: ProxyJob, ticket: Ticket) -> Verdict:
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        ticket.payload = fut
+        job.waiter = fut
+        try:
+            result = await asyncio.wait_for(fut, max(0.0, ticket.deadline - self.clock.now()))
+        except TimeoutError:
+            late = self.admission.expire(ticket)
+            return late if late is not None else Verdict(Decision.ADMIT)
+        finally:
+            job.waiter = None
+        if result == "gone":
+            self.admission.withdraw(ticket)
+            return Verdict(Decision.REJECT, retry_after_s=1, reason="the client went away")
+        return Verdict(Decision.ADMIT)
+
+    # -- replicas ---------------------------------------------------------------------------------
+
+    async def _serve(self, job: ProxyJob, ticket: Ticket, send: Send) -> None:
+        pool = job.plan.pool
+        assert pool is not None
+        tried: list[str] = []
+        last: ReplicaError | None = None
+        started = False
+        for attempt in range(self.attempts):
+            views = self.registry.views(pool)
+            result = self.router.route(job.route, views, exclude=tried)
+            if result is None and tried and last is not None and last.status is None:
+                # A connection-level failure (e.g. a pooled connection the replica had just
+                # closed) and no other replica: the same one may take it.
+                result = self.router.route(job.route, views)
+            state = self.registry.get(result.replica.name) if result is not None else None
+            if state is None or not isinstance(state.client, ReplicaClient):
+                break
+            self.registry.acquire(state, job.adapter, job.plan.prompt_tokens)
+            if not started:
+                self.admission.started(ticket)
+                started = True
+            last = await self._attempt(
+                job, _Target(state.name, state.client, state), send, attempt + 1 < self.attempts
+            )
+            if last is None or job.sent or job.client_gone:
+                return
+            tried.append(state.name)
+            self.metrics.retries.labels(type(last).__name__).inc()
+        if not started:
+            self.admission.release(ticket)
+            self.slot_freed(pool)
+        if job.client_gone or job.sent:
+            return
+        self.admission.count(job.plan.class_name, job.plan.feature, Outcome.ERRORS)
+        if last is None:
+            await _send_json(
+                send,
+                503,
+                error_body(
+                    503, f"No replica of the '{pool}' pool can take this request now.", code="no_replica"
+                ),
+                ((b"retry-after", b"1"),),
+            )
+        else:
+            await _send_json(
+                send,
+                502,
+                error_body(
+                    502, f"The replica failed before answering: {last.message}", code="upstream_failed"
+                ),
+            )
+
+    async def _external(self, job: ProxyJob, send: Send) -> None:
+        if self.external is None:
+            await _send_json(
+                send, 503, error_body(503, "No external provider is configured.", code="no_external_provider")
+            )
+            return
+        if self.external_model:
+            job.body["model"] = self.external_model
+        job.body.pop("priority", None)  # a vLLM extension other providers may refuse
+        err = await self._attempt(job, _Target("external", self.external), send, False)
+        self.metrics.overflow_requests.labels("error" if err is not None else "ok").inc()
+        if err is not None and not job.sent and not job.client_gone:
+            await _send_json(
+                send,
+                502,
+                error_body(502, f"The external provider failed: {err.message}", code="upstream_failed"),
+            )
+
+    async def _attempt(
+        self, job: ProxyJob, target: _Target, send: Send, may_retry: bool
+    ) -> ReplicaError | None:
+        """One try on one upstream. Returns the error when it failed before anything was sent to
+        the client (the caller may retry), else ``None`` (a response, good or bad, was sent)."""
+        handle = UpstreamHandle()
+        job.handle = handle
+        job.prefilled = False
+        state = target.state
+        if state is not None:
+            state.handles.add(handle)
+        tpot: float | None = None
+        failed = False
+        try:
+            if (
+                state is not None
+                and job.adapter is not None
+                and await self.adapters.ensure(state, job.adapter)
+            ):
+                self.metrics.adapter_loads.labels(state.name).inc()
+            if handle.reason is not None:
+                raise _Aborted(handle.reason, replica=target.name)
+            body = json.dumps(job.body).encode()
+            async with AsyncExitStack() as stack:
+                handle.task = asyncio.current_task()
+                try:
+                    resp = await stack.enter_async_context(
+                        target.client.open(
+                            "POST",
+                            job.path,
+                            body=body,
+                            headers={"X-Request-Id": job.request_id},
+                            raise_for_status=False,
+                        )
+                    )
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if handle.reason is not None and task is not None and task.uncancel() == 0:
+                        raise _Aborted(handle.reason, replica=target.name) from None
+                    raise
+                finally:
+                    handle.task = None
+                handle.resp = resp
+                if handle.reason is not None:
+                    raise _Aborted(handle.reason, replica=target.name)
+                if resp.status >= 400:
+                    raw = await resp.read()
+                    err = error_from_status(
+                        resp.status, _json_dict(raw), raw.decode(errors="replace"), target.name
+                    )
+                    failed = resp.status >= 500 or resp.status == 429
+                    if err.retry_safe and may_retry:
+                        return err
+                    await _send_json(send, resp.status, _upstream_error_body(resp.status, raw))
+                    job.sent = True
+                    return None
+                if not job.stream:
+                    raw = await resp.read()
+                    ctype = resp.headers.get("content-type", "application/json").encode()
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": 200,
+                            "headers": [
+                                (b"content-type", ctype),
+                                (b"content-length", str(len(raw)).encode()),
+                            ],
+                        }
+                    )
+                    await send({"type": "http.response.body", "body": raw})
+                    job.sent = True
+                    return None
+                tpot, failed = await self._stream(job, resp, send, may_retry, target)
+                return None
+        except ReplicaError as exc:
+            failed = True
+            if state is not None:
+                self.metrics.upstream_errors.labels(state.name).inc()
+            if job.client_gone:
+                return None
+            if job.sent:  # _stream already ended the client's stream
+                return None
+            return exc
+        finally:
+            job.handle = None
+            if state is not None:
+                state.handles.discard(handle)
+                self.registry.release(
+                    state,
+                    adapter=job.adapter,
+                    tpot_s=tpot,
+                    failed=failed,
+                    pending_prompt_tokens=0 if job.prefilled else job.plan.prompt_tokens,
+                )
+                self.admission.completed(state.pool)
+                self.metrics.request_done(state.pool, state.group, failed=failed)
+                if tpot is not None:
+                    self.metrics.token_time(state.pool, job.plan.class_name, tpot)
+                self.slot_freed(state.pool)
+
+    async def _stream(
+        self, job: ProxyJob, resp: UpstreamResponse, send: Send, may_retry: bool, target: _Target
+    ) -> tuple[float | None, bool]:
+        """Hold the stream until its first token, then pass it through. Raises before anything was
+        sent; returns ``(tpot, failed)`` once the client's stream has ended."""
+        scanner = _FirstToken()
+        buffered: list[bytes] = []
+        kind: str | None = None
+        chunks = resp.iter_chunks()
+        async for piece in chunks:
+            buffered.append(piece)
+            kind = scanner.feed(piece)
+            if kind is not None:
+                break
+        if kind == "error" and may_retry:
+            raise ReplicaServerError("the replica sent an error before the first token", replica=target.name)
+        if kind is None and not buffered:
+            raise ReplicaStreamError("the replica closed the stream without output", replica=target.name)
+        t_first = self.clock.now()
+        if target.state is not None and not job.prefilled:
+            job.prefilled = True  # its prompt no longer counts as prefill work queued there
+            self.registry.first_token(target.state, job.plan.prompt_tokens)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*_SSE_HEADERS, (b"x-request-id", job.request_id.encode())],
+            }
+        )
+        job.sent = True
+        await send({"type": "http.response.body", "body": b"".join(buffered), "more_body": True})
+        pool = job.plan.pool or "external"
+        self.metrics.first_token(pool, job.plan.class_name, t_first - job.arrived)
+        failed = kind == "error"
+        events = 0
+        t_last = t_first
+        if kind == "token":
+            raw = job.raw_send or send
+            try:
+                async for piece in chunks:
+                    await raw({"type": "http.response.body", "body": piece, "more_body": True})
+                    events += piece.count(b"data:")
+                    t_last = self.clock.now()
+            except ReplicaStreamError:
+                failed = True
+                if job.client_gone:
+                    return None, True
+                await send({"type": "http.response.body", "body": _STREAM_FAILED, "more_body": True})
+        if not job.client_gone:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # Events after the first token, less the final [DONE] and finish/usage chunks, are tokens.
+        tokens = events - 2
+        tpot = (t_last - t_first) / tokens if tokens >= 4 and not failed else None
+        return tpot, failed
+
+
+class ProxyResponse(Response):
+    """A response whose body is produced by the proxy, with the client's disconnect watched."""
+
+    def __init__(self, job: ProxyJob, run: Callable[[ProxyJob, Send], Awaitable[None]]) -> None:
+        self.job = job
+        self._run = run
+        self.status_code = 200
+        self.background = None
+        self.init_headers({})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        job = self.job
+        job.raw_send = scope.get("tidal.send")
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    job.disconnected()
+                    return
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self._run(job, send)
+        finally:
+            watcher.cancel()

@@ -1,0 +1,305 @@
+"""``tidal bench gateway``: what the gateway adds to a streamed request, against a Rust peer.
+
+One simulated replica (``tidal sim --preset fast-test``: about 1 ms per engine step) is reached
+three ways, in the same run and in turn: **direct**, through **tidal** (``tidal gateway`` as its
+own process: auth, feature policy, admission, the ``tidal`` router profile, the streaming proxy,
+metrics) and through **vllm-router** (the Rust router from PyPI, policy ``consistent_hash``, the
+closest to Tidal's prefix ring). At each concurrency (64 and 256 streams) closed-loop clients
+stream chat completions of ``--tokens`` tokens; the rows give TTFT p50/p99 (to the first content
+token), streamed tokens per second, the TTFT added over direct, and the proxy's CPU time, so
+``tokens_per_cpu_s`` is streamed tokens per second per core of the proxy.
+
+Everything shares this machine's cores (the simulated replica, the proxy, the load generator):
+the figures compare the targets with each other in one run, not with a dedicated deployment.
+
+Example::
+
+    tidal bench gateway --quick
+    tidal bench gateway --concurrency 64,256 --seconds 20 --tokens 128
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import click
+import yaml
+
+from priority.window import quantile
+from replicas.launcher import ReplicaProcess, free_port, sim_process
+from tidal.fleet import hash_api_key
+
+__all__ = ["run"]
+
+KEY = "bench-gateway-key-0123456789"
+MODEL = "sim"
+
+
+@dataclass
+class _Target:
+    name: str
+    url: str
+    proc: ReplicaProcess | None
+    headers: dict[str, str]
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the proxy process and its threads so far (0 for direct)."""
+        if self.proc is None or self.proc.pid is None:
+            return 0.0
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        ticks = os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def _fleet(sim_url: str) -> dict[str, Any]:
+    return {
+        "models": [{"name": MODEL, "max_model_len": 32768}],
+        "pools": {
+            "interactive": {
+                "kind": "interactive",
+                "model": MODEL,
+                # The fast preset's TPOT stays far under the SLO, so the cap never binds here.
+                "max_inflight_per_replica": 4096,
+                "min_inflight_per_replica": 4096,
+                "replicas": [{"name": "sim-0", "url": sim_url}],
+            }
+        },
+        "features": {"default": {"class": "interactive", "context_cap": 32768}},
+        "tenants": [{"name": "bench", "key_hashes": [hash_api_key(KEY)], "features": ["default"]}],
+        "gateway": {"max_queue": 4096},
+    }
+
+
+@contextlib.contextmanager
+def _services(workdir: Path) -> Iterator[list[_Target]]:
+    procs: list[ReplicaProcess] = []
+    try:
+        sim = sim_process(
+            "fast-test", args=["--served-model-name", MODEL], log_path=workdir / "sim.log", name="sim"
+        )
+        procs.append(sim.start())
+        sim.wait_ready(60)
+        fleet_path = workdir / "fleet.yaml"
+        fleet_path.write_text(yaml.safe_dump(_fleet(sim.url)))
+        gw_port = free_port()
+        gateway = ReplicaProcess(
+            "gateway",
+            [sys.executable, "-m", "tidal", "gateway", "--config", str(fleet_path), "--port", str(gw_port)],
+            port=gw_port,
+            env={"TIDAL_ADMIN_KEY": "bench-admin-key-0123456789"},
+            log_path=workdir / "gateway.log",
+            health_path="/healthz",
+        )
+        procs.append(gateway.start())
+        targets = [
+            _Target("direct", sim.url, None, {}),
+            _Target("tidal", gateway.url, gateway, {"Authorization": f"Bearer {KEY}"}),
+        ]
+        router_bin = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+        if Path(router_bin).exists():
+            r_port = free_port()
+            router = ReplicaProcess(
+                "vllm-router",
+                [
+                    router_bin,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(r_port),
+                    "--worker-urls",
+                    sim.url,
+                    "--policy",
+                    "consistent_hash",
+                    "--prometheus-port",
+                    str(free_port()),
+                    "--log-level",
+                    "warning",
+                ],
+                port=r_port,
+                log_path=workdir / "vllm-router.log",
+                health_path="/health",
+            )
+            procs.append(router.start())
+            router.wait_ready(60)
+            targets.append(_Target("vllm-router", router.url, router, {}))
+        else:
+            click.echo("vllm-router is not installed (pip install 'tidal[bench]'): peer rows skipped")
+        gateway.wait_ready(60)
+        yield targets
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+async def _client(
+    session: aiohttp.ClientSession,
+    target: _Target,
+    tokens: int,
+    deadline: float,
+    warmup_end: float,
+    ttfts: list[float],
+    counted: list[int],
+    worker: int,
+) -> None:
+    i = 0
+    while time.perf_counter() < deadline:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"client {worker} request {i}: tell me a story"}],
+            "max_tokens": tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        i += 1
+        t0 = time.perf_counter()
+        first: float | None = None
+        n = 0
+        async with session.post(
+            target.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **target.headers},
+        ) as resp:
+            if resp.status != 200:
+                await resp.read()
+                await asyncio.sleep(0.01)
+                continue
+            async for piece in resp.content.iter_any():
+                if first is None and b'"content":"' in piece.replace(b'"content":""', b""):
+                    first = time.perf_counter()
+                n += piece.count(b"data: {")
+        if t0 >= warmup_end and first is not None:
+            ttfts.append(first - t0)
+            counted[0] += max(0, n - 2)  # less the role chunk and the final (finish) chunk
+
+
+async def _measure(
+    target: _Target, concurrency: int, seconds: float, warmup: float, tokens: int
+) -> dict[str, Any]:
+    connector = aiohttp.TCPConnector(limit=concurrency * 2)
+    ttfts: list[float] = []
+    counted = [0]
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=300)
+    ) as session:
+        start = time.perf_counter()
+        warmup_end = start + warmup
+        deadline = warmup_end + seconds
+        cpu0: float | None = None
+
+        async def mark_cpu() -> None:
+            nonlocal cpu0
+            await asyncio.sleep(warmup)
+            cpu0 = target.cpu_seconds()
+
+        marker = asyncio.ensure_future(mark_cpu())
+        await asyncio.gather(
+            *(
+                _client(session, target, tokens, deadline, warmup_end, ttfts, counted, w)
+                for w in range(concurrency)
+            )
+        )
+        await marker
+        elapsed = time.perf_counter() - warmup_end
+        cpu = target.cpu_seconds() - (cpu0 or 0.0)
+    return {
+        "target": target.name,
+        "concurrency": concurrency,
+        "ttft_p50_s": quantile(ttfts, 0.5),
+        "ttft_p99_s": quantile(ttfts, 0.99),
+        "tokens_per_s": counted[0] / elapsed,
+        "requests": len(ttfts),
+        "proxy_cpu_s": cpu,
+        "tokens_per_cpu_s": counted[0] / cpu if cpu > 0 else None,
+    }
+
+
+def run(
+    quick: bool,
+    out_dir: Path,
+    concurrency: str = "64,256",
+    seconds: str | float | None = None,
+    tokens: str | int = 64,
+    rounds: str | int | None = None,
+    **_: Any,
+) -> list[dict[str, Any]]:
+    """Rows: ``target``, ``concurrency``, ``ttft_p50_s``, ``ttft_p99_s``, ``tokens_per_s``, plus
+    the TTFT added over direct and the proxy's CPU use (medians over rounds)."""
+    levels = [int(x) for x in str(concurrency).split(",")]
+    secs = float(seconds) if seconds is not None else (6.0 if quick else 15.0)
+    n_rounds = int(rounds) if rounds is not None else (1 if quick else 3)
+    n_tokens = int(tokens)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-gw-") as tmp, _services(Path(tmp)) as targets:
+        click.echo(
+            f"one simulated replica (fast-test), {n_tokens}-token streams, {secs:g} s per measurement, "
+            f"{n_rounds} round(s); targets: {', '.join(t.name for t in targets)}"
+        )
+        for level in levels:
+            samples: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+            for _round in range(n_rounds):
+                for target in targets:  # interleaved, so drift hits every target alike
+                    samples[target.name].append(
+                        asyncio.run(_measure(target, level, secs, min(2.0, secs / 3), n_tokens))
+                    )
+            for target in targets:
+                got = samples[target.name]
+                row = {
+                    key: _median([g[key] for g in got]) if isinstance(got[0][key], float) else got[0][key]
+                    for key in got[0]
+                }
+                row["requests"] = sum(g["requests"] for g in got)
+                rows.append(row)
+            direct = next(r for r in rows if r["target"] == "direct" and r["concurrency"] == level)
+            for r in rows:
+                if r["concurrency"] == level:
+                    r["added_ttft_p50_s"] = r["ttft_p50_s"] - direct["ttft_p50_s"]
+                    r["added_ttft_p99_s"] = r["ttft_p99_s"] - direct["ttft_p99_s"]
+    _print(rows)
+    return rows
+
+
+def _median(values: list[Any]) -> Any:
+    nums = sorted(v for v in values if v is not None)
+    return nums[len(nums) // 2] if nums else None
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    from tidal.cli.bench import print_table
+
+    peer = {r["concurrency"]: r for r in rows if r["target"] == "vllm-router"}
+    table = []
+    for r in rows:
+        p = peer.get(r["concurrency"])
+        table.append(
+            {
+                "target": r["target"],
+                "streams": r["concurrency"],
+                "ttft_p50_ms": f"{r['ttft_p50_s'] * 1000:.1f}",
+                "ttft_p99_ms": f"{r['ttft_p99_s'] * 1000:.1f}",
+                "added_p50_ms": f"{r['added_ttft_p50_s'] * 1000:+.1f}",
+                "added_p99_ms": f"{r['added_ttft_p99_s'] * 1000:+.1f}",
+                "tok_s": f"{r['tokens_per_s']:.0f}",
+                "tok_per_cpu_s": f"{r['tokens_per_cpu_s']:.0f}" if r.get("tokens_per_cpu_s") else "-",
+                "vs_vllm_router": (
+                    f"{r['tokens_per_cpu_s'] / p['tokens_per_cpu_s']:.2f}x tok/cpu"
+                    if p and r.get("tokens_per_cpu_s") and p.get("tokens_per_cpu_s")
+                    else "-"
+                ),
+            }
+        )
+    print_table(table)

@@ -1,0 +1,420 @@
+"""``tidal bench routing``: every routing policy on the same trace, load and simulated fleet.
+
+Replays a trace on 8 simulated replicas of the Llama-3.1-70B FP8 / 4 x H200 preset in virtual
+time (``replicas.sim.virtual``) through a *virtual gateway* made of the product's own objects --
+the replica registry, the admission controller with the adaptive per-replica caps, and the
+router with each built-in profile -- with the same 1 s ``/metrics`` staleness the live gateway
+has. Nothing here re-implements a policy: the profiles are :mod:`router.profiles`.
+
+For each trace the capacity is measured first (requests per second the capped fleet completes
+when saturated, round robin), then the trace's arrivals are rescaled to each load (50, 80, 95 %
+of that capacity) and replayed once per policy. Rows give TTFT (from arrival at the gateway,
+queueing included) p50/p95/p99, TPOT p50/p95, the prefix-cache hit ratio beside the trace's
+ideal (one infinite cache), output throughput and load imbalance (max / mean replica work). At
+80 % load extra ``tidal[key=k]`` rows measure the stable-prefix key: the first ``k`` 512-token
+blocks of a prompt (k = 2, the default, names a conversation of the Mooncake trace, whose
+first block is one global system prompt).
+
+Traces: the Mooncake conversation trace and the Azure code trace from ``../shared/traces/``
+(or ``$TIDAL_TRACES_DIR``), any ``--trace FILE`` (Mooncake JSONL or Azure CSV, repeatable), or
+the built-in synthetic workload when none is found. Admission never refuses here (an hour-long
+wait budget and an unbounded queue), so every policy serves every request and queueing shows in
+TTFT.
+
+Example::
+
+    tidal bench routing --quick
+    tidal bench routing --trace my_trace.jsonl --loads 0.5,0.9
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import click
+
+from bench.traces import (
+    TraceRequest,
+    block_hashes,
+    find_trace,
+    ideal_hit_ratio,
+    load_trace,
+    synthetic_workload,
+)
+from priority.admission import Admission, Decision, Ticket
+from priority.window import quantile
+from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
+from router.loader import build_router
+from router.prefix import blocks_prefix_key
+from router.profiles import BUILTIN_PROFILES
+from router.registry import ReplicaRegistry, ReplicaState
+from router.types import RouteRequest
+from tidal.fleet import FleetConfig, parse_fleet
+
+__all__ = ["DEFAULT_TRACES", "VirtualGateway", "replay", "run"]
+
+DEFAULT_TRACES = ("mooncake_conversation_trace.jsonl", "AzureLLMInferenceTrace_code.csv")
+PRESET = "llama-3.1-70b-fp8-h200-tp4"
+MODEL = "llama-3.1-70b"
+DEFAULT_KEY_BLOCKS = 2
+SCRAPE_INTERVAL_S = 1.0
+QUICK_MIN, QUICK_MAX = 1000, 3000  # requests per trace in --quick
+
+
+class VirtualClock:
+    """The :class:`~tidal.clock.Clock` of a virtual cluster: ``now()`` is its event time."""
+
+    def __init__(self, cluster: VirtualCluster) -> None:
+        self.cluster = cluster
+
+    def now(self) -> float:
+        return self.cluster.now
+
+    async def sleep(self, seconds: float) -> None:
+        raise RuntimeError("virtual time is advanced by the cluster's events, not by sleeping")
+
+
+def bench_fleet(replicas: int, *, cap: int = 16, min_cap: int = 2, tpot_slo_s: float = 0.05) -> FleetConfig:
+    """The simulated pool as a fleet config: what the live gateway would load."""
+    return parse_fleet(
+        {
+            "models": [{"name": MODEL, "max_model_len": 131072}],
+            "pools": {
+                "interactive": {
+                    "kind": "interactive",
+                    "model": MODEL,
+                    "max_inflight_per_replica": cap,
+                    "min_inflight_per_replica": min_cap,
+                    "replicas": [
+                        {"name": f"sim-{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(replicas)
+                    ],
+                }
+            },
+            "classes": {"interactive": {"priority": 0, "wait_budget_s": 3600, "tpot_slo_s": tpot_slo_s}},
+            "features": {"default": {"class": "interactive", "context_cap": 10_000_000}},
+            "gateway": {"max_queue": 1_000_000, "scrape_interval_s": SCRAPE_INTERVAL_S},
+        },
+        "routing benchmark",
+    )
+
+
+@dataclass
+class _Inflight:
+    req: TraceRequest
+    arrival: float
+    route: RouteRequest
+    ticket: Ticket | None = None
+    replica: ReplicaState | None = None
+    prefilled: bool = False
+
+
+@dataclass
+class _Outcome:
+    arrival: float
+    result: SimResult
+
+
+@dataclass
+class VirtualGateway:
+    """Registry + admission + router over a :class:`VirtualCluster`, driven by its events."""
+
+    cluster: VirtualCluster
+    fleet: FleetConfig
+    profile: str
+    seed: int = 0
+    key_blocks: int = DEFAULT_KEY_BLOCKS
+    served: list[_Outcome] = field(default_factory=list)
+    refused: int = 0
+    notes: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.clock = VirtualClock(self.cluster)
+        self.registry = ReplicaRegistry.from_fleet(self.fleet, self.clock)
+        self.states = self.registry.in_pool("interactive")
+        self.index = {s.name: i for i, s in enumerate(self.states)}
+        self.router = build_router(self.fleet.router, clock=self.clock, seed=self.seed)
+        self.admission = Admission(
+            capacity=self.registry, clock=self.clock, max_queue=self.fleet.gateway.max_queue
+        )
+        self.klass = self.fleet.classes["interactive"]
+        self.outstanding = 0
+        self._ids = 0
+
+    # -- the gateway's background scrape, in virtual time --------------------------------------------
+
+    def _scrape(self, cluster: VirtualCluster) -> None:
+        for state in self.states:
+            self.registry.update_snapshot(state.name, cluster.engines[self.index[state.name]].snapshot())
+        if self.outstanding > 0:
+            cluster.at(cluster.now + SCRAPE_INTERVAL_S, self._scrape)
+
+    # -- one request ----------------------------------------------------------------------------------
+
+    def arrive(self, req: TraceRequest, at: float) -> None:
+        def on_arrival(cluster: VirtualCluster) -> None:
+            if self.outstanding == 0:
+                cluster.at(cluster.now, self._scrape)
+            self.outstanding += 1
+            route = RouteRequest(
+                model=MODEL,
+                prefix_key=blocks_prefix_key(req.hash_ids, self.key_blocks),
+                prefix_blocks=req.hash_ids,
+                block_tokens=req.block_tokens,
+                prompt_tokens=req.input_length,
+            )
+            job = _Inflight(req, cluster.now, route)
+            verdict, ticket = self.admission.offer(
+                "interactive",
+                "interactive",
+                priority=self.klass.priority,
+                wait_budget_s=self.klass.wait_budget_s,
+                feature="default",
+                regulated=False,
+                payload=job,
+            )
+            job.ticket = ticket
+            if verdict.decision is Decision.ADMIT:
+                self._dispatch(job)
+            elif verdict.decision is Decision.QUEUE:
+                cluster.at(ticket.deadline, partial(self._expire_at, ticket))
+            else:
+                self._refuse()
+
+        self.cluster.at(at, on_arrival)
+
+    def _refuse(self) -> None:
+        self.refused += 1
+        self.outstanding -= 1
+
+    def _expire_at(self, ticket: Ticket, cluster: VirtualCluster) -> None:
+        if self.admission.expire(ticket) is not None:
+            self._refuse()
+
+    def _dispatch(self, job: _Inflight) -> None:
+        assert job.ticket is not None
+        result = self.router.route(job.route, self.registry.views("interactive"), profile=self.profile)
+        assert result is not None, "the benchmark's replicas are always routable"
+        for key in ("prefix", "cache_aware"):
+            if key in result.notes:
+                name = f"{key}:{result.notes[key]}"
+                self.notes[name] = self.notes.get(name, 0) + 1
+        state = self.registry.get(result.replica.name)
+        assert state is not None
+        job.replica = state
+        self.registry.acquire(state, prompt_tokens=job.req.input_length)
+        self.admission.started(job.ticket)
+        self._ids += 1
+        self.cluster.submit(
+            self.index[state.name],
+            SimRequest(
+                f"req-{self._ids}",
+                max_tokens=job.req.output_length,
+                block_hashes=block_hashes(job.req, 16),
+                num_prompt_tokens=job.req.input_length,
+                priority=self.klass.priority,
+                on_first_token=partial(self._first_token, job),
+                on_finish=partial(self._finished, job),
+            ),
+        )
+
+    def _first_token(self, job: _Inflight, at: float) -> None:
+        assert job.replica is not None
+        job.prefilled = True
+        self.registry.first_token(job.replica, job.req.input_length)
+
+    def _finished(self, job: _Inflight, res: SimResult) -> None:
+        assert job.replica is not None
+        self.served.append(_Outcome(job.arrival, res))
+        pending = 0 if job.prefilled else job.req.input_length
+        self.registry.release(job.replica, tpot_s=res.tpot, pending_prompt_tokens=pending)
+        self.admission.completed("interactive")
+        self.outstanding -= 1
+        for ticket in self.admission.wake("interactive"):
+            self._dispatch(ticket.payload)
+
+
+def replay(
+    workload: Sequence[TraceRequest],
+    profile: str,
+    *,
+    scale: float,
+    replicas: int = 8,
+    preset: str = PRESET,
+    key_blocks: int = DEFAULT_KEY_BLOCKS,
+    seed: int = 0,
+    fleet: FleetConfig | None = None,
+    warmup: float = 0.1,
+    max_num_batched_tokens: int = 1024,
+) -> dict[str, Any]:
+    """Replay ``workload`` with arrival times multiplied by ``scale`` (0: all at once) through
+    ``profile``; the measured figures of one run. Latencies leave out the requests that arrived
+    in the first ``warmup`` share of the replay (while the caps converge from their start value)."""
+    cluster = VirtualCluster(preset, replicas, seed=seed, max_num_batched_tokens=max_num_batched_tokens)
+    gw = VirtualGateway(cluster, fleet or bench_fleet(replicas), profile, seed=seed, key_blocks=key_blocks)
+    t0 = workload[0].arrival_s if workload else 0.0
+    for req in workload:
+        gw.arrive(req, (req.arrival_s - t0) * scale)
+    wall = time.perf_counter()
+    cluster.run()
+    wall = time.perf_counter() - wall
+    served = gw.served
+    horizon = max((o.arrival for o in served), default=0.0) * warmup
+    steady = [o for o in served if o.arrival >= horizon]
+    ttft = [o.result.first_token_time - o.arrival for o in steady if o.result.first_token_time is not None]
+    tpot = [t for o in steady if (t := o.result.tpot) is not None]
+    prompt = sum(o.result.num_prompt_tokens for o in served)
+    cached = sum(o.result.num_cached_tokens for o in served)
+    output = sum(o.result.num_output_tokens for o in served)
+    work = [0.0] * replicas
+    for o in served:
+        r = o.result
+        work[r.replica] += r.num_prompt_tokens - r.num_cached_tokens + r.num_output_tokens
+    start = min((o.arrival for o in served), default=0.0)
+    end = max((o.result.finish_time for o in served), default=0.0)
+    mean_work = sum(work) / replicas if replicas else 0.0
+    return {
+        "served": len(served),
+        "refused": gw.refused,
+        "ttft_p50_s": quantile(ttft, 0.5),
+        "ttft_p95_s": quantile(ttft, 0.95),
+        "ttft_p99_s": quantile(ttft, 0.99),
+        "tpot_p50_s": quantile(tpot, 0.5),
+        "tpot_p95_s": quantile(tpot, 0.95),
+        "prefix_hit_ratio": cached / prompt if prompt else 0.0,
+        "throughput_tok_s": output / (end - start) if end > start else 0.0,
+        "requests_per_s": len(served) / (end - start) if end > start else 0.0,
+        "imbalance": max(work) / mean_work if mean_work else 1.0,
+        "preemptions": sum(o.result.num_preemptions for o in served),
+        "final_caps": [s.cap.value for s in gw.states],
+        "ring_walk_share": gw.notes.get("prefix:walked", 0) / len(served) if served else 0.0,
+        "wall_s": wall,
+    }
+
+
+def _workloads(trace: Any, quick: bool, limit: int | None) -> list[tuple[str, list[TraceRequest], str]]:
+    files: list[str] = [trace] if isinstance(trace, str) else list(trace or [])
+    out: list[tuple[str, list[TraceRequest], str]] = []
+    if files:
+        for f in files:
+            out.append((Path(f).name, load_trace(f), f"trace file {Path(f).name}"))
+    else:
+        for name in DEFAULT_TRACES:
+            found = find_trace(name, Path(__file__).resolve().parents[1])
+            if found is not None:
+                out.append((name, load_trace(found), f"real trace {name} (shared traces)"))
+        if not out:
+            reqs = synthetic_workload(duration_s=3600.0)
+            out.append(
+                ("synthetic", reqs, f"built-in synthetic workload ({len(reqs)} requests; no trace found)")
+            )
+    return [(name, reqs[:limit] if limit else reqs, src) for name, reqs, src in out]
+
+
+def _fmt_ms(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v * 1000:.0f}"
+
+
+def run(
+    quick: bool,
+    out_dir: Path,
+    trace: Any = None,
+    loads: str | None = None,
+    policies: str | None = None,
+    replicas: str | int = 8,
+    requests: str | int | None = None,
+    seed: str | int = 0,
+    **_: Any,
+) -> list[dict[str, Any]]:
+    """Every policy x load x trace; rows as in the module docstring."""
+    n_replicas = int(replicas)
+    load_levels = [float(x) for x in loads.split(",")] if loads else ([0.8] if quick else [0.5, 0.8, 0.95])
+    profiles = policies.split(",") if policies else list(BUILTIN_PROFILES)
+    limit = int(requests) if requests is not None else None
+    rows: list[dict[str, Any]] = []
+    for name, workload, source in _workloads(trace, quick, limit):
+        if quick and limit is None:
+            # About four minutes of virtual time at 80% load: enough for the caps to settle.
+            probe = replay(
+                workload[:QUICK_MIN], "round_robin", scale=0.0, replicas=n_replicas, seed=int(seed)
+            )
+            n = int(min(QUICK_MAX, max(QUICK_MIN, 240 * 0.8 * probe["requests_per_s"])))
+            workload = workload[:n]
+        click.echo(
+            f"\n== {name}: {source}; {len(workload)} requests on {n_replicas} x {PRESET} (virtual time)"
+        )
+        ideal = ideal_hit_ratio(workload)
+        span = workload[-1].arrival_s - workload[0].arrival_s if len(workload) > 1 else 1.0
+        natural_rate = len(workload) / span if span > 0 else float("inf")
+        sat = replay(workload, "round_robin", scale=0.0, replicas=n_replicas, seed=int(seed))
+        capacity = sat["requests_per_s"]
+        click.echo(
+            f"capacity (saturated, round robin, TPOT-capped): {capacity:.2f} req/s; "
+            f"the trace's own rate: {natural_rate:.2f} req/s ({natural_rate / capacity:.0%} load); ideal hit ratio {ideal:.3f}"
+        )
+        for load in load_levels:
+            scale = natural_rate / (load * capacity) if capacity > 0 else 1.0
+            variants: list[tuple[str, str, int]] = [(p, p, DEFAULT_KEY_BLOCKS) for p in profiles]
+            if abs(load - 0.8) < 1e-9 and "tidal" in profiles:
+                variants += [(f"tidal[key={k}]", "tidal", k) for k in (1, 4) if k != DEFAULT_KEY_BLOCKS]
+            for label, profile, k in variants:
+                m = replay(workload, profile, scale=scale, replicas=n_replicas, key_blocks=k, seed=int(seed))
+                rows.append(
+                    {
+                        "trace": name,
+                        "load": load,
+                        "policy": label,
+                        "ttft_p50_s": m["ttft_p50_s"],
+                        "ttft_p95_s": m["ttft_p95_s"],
+                        "ttft_p99_s": m["ttft_p99_s"],
+                        "tpot_p50_s": m["tpot_p50_s"],
+                        "tpot_p95_s": m["tpot_p95_s"],
+                        "prefix_hit_ratio": m["prefix_hit_ratio"],
+                        "ideal_hit_ratio": ideal,
+                        "throughput_tok_s": m["throughput_tok_s"],
+                        "imbalance": m["imbalance"],
+                        "requests": m["served"],
+                        "refused": m["refused"],
+                        "preemptions": m["preemptions"],
+                        "ring_walk_share": m["ring_walk_share"],
+                        "capacity_req_s": capacity,
+                        "source": source,
+                        "sim_wall_s": round(m["wall_s"], 2),
+                    }
+                )
+        _print(rows, name)
+    return rows
+
+
+def _print(rows: list[dict[str, Any]], trace: str) -> None:
+    from tidal.cli.bench import print_table
+
+    mine = [r for r in rows if r["trace"] == trace]
+    for load in sorted({r["load"] for r in mine}):
+        at = [r for r in mine if r["load"] == load]
+        rr = next((r for r in at if r["policy"] == "round_robin"), None)
+        click.echo(f"\n{trace} at {load:.0%} load (TTFT/TPOT in ms; x RR = TTFT p95 / round robin's)")
+        table = [
+            {
+                "policy": r["policy"],
+                "ttft_p50": _fmt_ms(r["ttft_p50_s"]),
+                "ttft_p95": _fmt_ms(r["ttft_p95_s"]),
+                "ttft_p99": _fmt_ms(r["ttft_p99_s"]),
+                "x_rr": f"{r['ttft_p95_s'] / rr['ttft_p95_s']:.2f}" if rr and rr["ttft_p95_s"] > 0 else "-",
+                "tpot_p50": _fmt_ms(r["tpot_p50_s"]),
+                "tpot_p95": _fmt_ms(r["tpot_p95_s"]),
+                "hit": f"{r['prefix_hit_ratio']:.3f}",
+                "of_ideal": f"{r['prefix_hit_ratio'] / r['ideal_hit_ratio']:.0%}"
+                if r["ideal_hit_ratio"] > 0
+                else "-",
+                "tok_s": f"{r['throughput_tok_s']:.0f}",
+                "imbalance": f"{r['imbalance']:.2f}",
+            }
+            for r in at
+        ]
+        print_table(table)

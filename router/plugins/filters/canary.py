@@ -1,0 +1,57 @@
+"""``canary-filter``: split traffic between replica groups (``stable``, ``canary``, ...) by weight.
+
+Replicas with weight 0 get no traffic. When more than one group remains, one group is drawn with
+probability proportional to the sum of its replicas' weights (the router's seeded RNG), and only
+its replicas stay candidates; so a canary replica at weight 0.05 beside ten stable replicas at
+weight 1 takes about 0.5% of requests. No parameters.
+
+Config example::
+
+    - type: canary-filter
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from router.framework import PluginKind
+from router.plugins.base import PluginParams, parse_params
+from router.types import CycleState, ReplicaView, RouteRequest
+
+__all__ = ["TYPE", "CanaryFilter"]
+
+TYPE = "canary-filter"
+
+
+class CanaryFilter:
+    TYPE: ClassVar[str] = TYPE
+    KIND: ClassVar[PluginKind] = "filter"
+
+    def __init__(self, name: str = TYPE) -> None:
+        self.name = name
+
+    @classmethod
+    def from_config(cls, name: str, params: Mapping[str, Any] | None = None) -> CanaryFilter:
+        parse_params(PluginParams, TYPE, name, params)
+        return cls(name)
+
+    def filter(
+        self, request: RouteRequest, candidates: list[ReplicaView], state: CycleState
+    ) -> list[ReplicaView]:
+        weighted = [r for r in candidates if r.weight > 0]
+        groups: dict[str, float] = {}
+        for r in weighted:
+            groups[r.group] = groups.get(r.group, 0.0) + r.weight
+        if len(groups) <= 1:
+            return weighted
+        names = sorted(groups)
+        draw = state.rng.random() * sum(groups.values())
+        chosen = names[-1]
+        for g in names:
+            draw -= groups[g]
+            if draw < 0:
+                chosen = g
+                break
+        state.notes["group"] = chosen
+        return [r for r in weighted if r.group == chosen]

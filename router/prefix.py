@@ -1,0 +1,134 @@
+"""Prefix keys and prefix blocks: what cache-aware routing hashes.
+
+Two views of a prompt's prefix:
+
+* the **stable prefix key** -- one hash that names the conversation or application a request
+  belongs to. For chat it is the system (and developer) messages, the tools and the **first user
+  turn**. The system prompt alone is not enough: when every request of an application starts with
+  the same system prompt (Mooncake's conversation trace starts every request with one shared
+  block), a key made of it alone sends all traffic to one ring position and the bounded-load walk
+  then scatters it without locality. Adding the first user turn gives each conversation its own
+  position, so every later turn of it (which repeats the history) lands where its prefix is
+  cached, while the shared system prompt is cached once per replica. For token-level traces the
+  key is the first ``k`` blocks (:func:`blocks_prefix_key`); the routing benchmark measures k.
+* **prefix blocks** -- chained hashes of consecutive fixed-size pieces of the prompt, so that two
+  prompts sharing their first ``k`` pieces share their first ``k`` block hashes. Approximate
+  cache indexes (llm-d's prefix scorer, SGLang's tree) match on these. Chat prompts are cut into
+  64-character pieces (about 16 tokens, llm-d's default).
+
+Example::
+
+    key = chat_prefix_key(body["messages"], body.get("tools"))
+    blocks = text_blocks(render_messages(body["messages"]))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = [
+    "BLOCK_CHARS",
+    "blocks_prefix_key",
+    "chain_blocks",
+    "chat_prefix_key",
+    "completion_prefix_key",
+    "render_messages",
+    "text_blocks",
+]
+
+BLOCK_CHARS = 64
+_MAX_BLOCKS = 256
+_SEP = b"\x1f"
+
+
+def _h(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                parts.append(json.dumps(part, sort_keys=True, default=str))
+        return "\n".join(parts)
+    if content is None:
+        return ""
+    return json.dumps(content, sort_keys=True, default=str)
+
+
+def chat_prefix_key(messages: Sequence[Any], tools: Any = None) -> int | None:
+    """Hash of the system/developer messages, the tools and the first user turn; ``None`` when
+    the request has none of them."""
+    pieces: list[bytes] = []
+    first_user: str | None = None
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        if role in ("system", "developer"):
+            pieces.append(_content_text(m.get("content")).encode())
+        elif role == "user":
+            first_user = _content_text(m.get("content"))
+            break
+    if tools:
+        pieces.append(json.dumps(tools, sort_keys=True, default=str).encode())
+    if first_user is not None:
+        pieces.append(b"user:" + first_user.encode())
+    if not pieces:
+        return None
+    return _h(_SEP.join(pieces))
+
+
+def completion_prefix_key(prompt: Any, chars: int = 16 * BLOCK_CHARS) -> int | None:
+    """A completion prompt has no structure: its first ``chars`` characters (about 256 tokens,
+    SGLang's ``prefix_hash`` length) name its prefix."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return _h(prompt[:chars].encode()) if prompt else None
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0] if isinstance(prompt[0], list) else prompt
+        return _h(json.dumps(first[: chars // 4]).encode())
+    return None
+
+
+def render_messages(messages: Sequence[Any]) -> str:
+    """The messages as one string, in order (role and text), for block hashing."""
+    out: list[str] = []
+    for m in messages:
+        if isinstance(m, dict):
+            out.append(f"{m.get('role', '')}\n{_content_text(m.get('content'))}\n")
+    return "".join(out)
+
+
+def chain_blocks(pieces: Iterable[bytes]) -> tuple[int, ...]:
+    """Chained hashes: block i's hash covers pieces 0..i."""
+    out: list[int] = []
+    prev = b""
+    for piece in pieces:
+        d = hashlib.blake2b(prev + piece, digest_size=8).digest()
+        out.append(int.from_bytes(d, "big"))
+        prev = d
+    return tuple(out)
+
+
+def text_blocks(text: str, block_chars: int = BLOCK_CHARS, max_blocks: int = _MAX_BLOCKS) -> tuple[int, ...]:
+    """Chained hashes of the text's full ``block_chars`` pieces (at most ``max_blocks``)."""
+    data = text.encode()
+    n = min(len(data) // block_chars, max_blocks)
+    return chain_blocks(data[i * block_chars : (i + 1) * block_chars] for i in range(n))
+
+
+def blocks_prefix_key(block_ids: Sequence[int], k: int) -> int | None:
+    """The stable key of a token-level trace request: its first ``k`` (already chained) block ids."""
+    if not block_ids or k <= 0:
+        return None
+    return _h(json.dumps(list(block_ids[:k])).encode())

@@ -1,0 +1,99 @@
+"""The built-in profiles, selectable by name even when the fleet config defines none.
+
+They are written in the same shape as the fleet config's ``router:`` section and loaded by the
+same strict loader. ``tidal`` is the default; the others are the anchors' policies, so that one
+benchmark run compares them on the same trace, load and replicas:
+
+==================== =====================================================================
+profile              what it does
+==================== =====================================================================
+tidal                adapter affinity (16) > session ring (4) > prefix ring (2) > load (1)
+round_robin          the candidates in turn (a Kubernetes Service)
+least_load           fewest gateway in-flight requests
+power_of_two         the less loaded of two random candidates
+sglang_cache_aware   SGLang's cache_aware: approximate tree, imbalance thresholds
+llm_d                llm-d's default: queue (2), KV usage (2), approximate prefix (3)
+==================== =====================================================================
+
+Every profile starts with the same filters: healthy, serves the model, adapter loadable, canary
+split, below its in-flight cap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["BUILTIN_PROFILES", "BUILTIN_ROUTER", "DEFAULT_PROFILE"]
+
+DEFAULT_PROFILE = "tidal"
+
+_FILTERS = [
+    {"ref": "healthy-filter"},
+    {"ref": "model-filter"},
+    {"ref": "adapter-filter"},
+    {"ref": "canary-filter"},
+    {"ref": "capacity-filter"},
+]
+
+BUILTIN_ROUTER: dict[str, Any] = {
+    "plugins": [
+        {"type": t}
+        for t in (
+            "healthy-filter",
+            "model-filter",
+            "adapter-filter",
+            "canary-filter",
+            "capacity-filter",
+            "prefix-affinity-scorer",
+            "session-affinity-scorer",
+            "lora-affinity-scorer",
+            "load-scorer",
+            "least-inflight-scorer",
+            "queue-scorer",
+            "kv-cache-utilization-scorer",
+            "prefix-cache-scorer",
+            "cache-aware-scorer",
+            "max-score-picker",
+            "round-robin-picker",
+            "power-of-two-picker",
+        )
+    ],
+    "profiles": [
+        {
+            "name": "tidal",
+            "plugins": [
+                *_FILTERS,
+                {"ref": "lora-affinity-scorer", "weight": 16},
+                {"ref": "session-affinity-scorer", "weight": 4},
+                {"ref": "prefix-affinity-scorer", "weight": 2},
+                {"ref": "load-scorer", "weight": 1},
+                {"ref": "max-score-picker"},
+            ],
+        },
+        {"name": "round_robin", "plugins": [*_FILTERS, {"ref": "round-robin-picker"}]},
+        {
+            "name": "least_load",
+            "plugins": [*_FILTERS, {"ref": "least-inflight-scorer"}, {"ref": "max-score-picker"}],
+        },
+        {
+            "name": "power_of_two",
+            "plugins": [*_FILTERS, {"ref": "least-inflight-scorer"}, {"ref": "power-of-two-picker"}],
+        },
+        {
+            "name": "sglang_cache_aware",
+            "plugins": [*_FILTERS, {"ref": "cache-aware-scorer"}, {"ref": "max-score-picker"}],
+        },
+        {
+            "name": "llm_d",
+            "plugins": [
+                *_FILTERS,
+                {"ref": "queue-scorer", "weight": 2},
+                {"ref": "kv-cache-utilization-scorer", "weight": 2},
+                {"ref": "prefix-cache-scorer", "weight": 3},
+                {"ref": "max-score-picker"},
+            ],
+        },
+    ],
+}
+
+BUILTIN_PROFILES = tuple(p["name"] for p in BUILTIN_ROUTER["profiles"])

@@ -1,0 +1,220 @@
+"""The replica registry: every replica the gateway may route to, with its live state.
+
+Per replica it keeps what the admin API sets (healthy, draining, canary weight), what the proxy
+counts (in-flight requests, the adaptive cap, adapters loaded and their use), what the scraper
+brings (the last ``/metrics`` snapshot and when), and the handles of in-flight requests so that
+marking a replica unhealthy can fail them fast. The router sees it only through
+:class:`~router.types.ReplicaView` snapshots; admission only through :meth:`free_slots`.
+
+The gateway fills it from the fleet config and the admin API; the routing benchmark fills it with
+simulated replicas (``client=None``) and drives the same methods in virtual time.
+
+Example::
+
+    registry = ReplicaRegistry.from_fleet(fleet, clock)
+    views = registry.views("interactive")
+    state = registry.get(result.replica.name)
+    registry.acquire(state); ...; registry.release(state, tpot_s=0.031)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from priority.capacity import AdaptiveCap
+from replicas.metrics import LoadSnapshot
+from router.types import ReplicaView
+from tidal.clock import Clock
+from tidal.fleet import FleetConfig, PoolSpec
+
+__all__ = ["Abortable", "ReplicaRegistry", "ReplicaState"]
+
+
+class Abortable(Protocol):
+    """An in-flight request that can be failed fast (its upstream connection closed)."""
+
+    def abort(self, reason: str) -> None: ...
+
+
+@dataclass(eq=False)
+class ReplicaState:
+    """One replica's live state (mutable; the router gets frozen views of it)."""
+
+    name: str
+    url: str
+    pool: str
+    model: str
+    cap: AdaptiveCap
+    group: str = "stable"
+    weight: float = 1.0
+    max_loras: int = 0
+    healthy: bool = True
+    draining: bool = False
+    inflight: int = 0
+    prefill_tokens: int = 0  # prompt tokens of in-flight requests without a first token yet
+    snapshot: LoadSnapshot | None = None
+    snapshot_at: float | None = None
+    adapters: dict[str, float] = field(default_factory=dict)  # adapter -> last use (LRU order)
+    adapter_inflight: Counter[str] = field(default_factory=Counter)
+    handles: set[Abortable] = field(default_factory=set)
+    client: Any = None  # the gateway's pooled ReplicaClient; None for simulated replicas
+    requests: int = 0
+    errors: int = 0
+    removed: bool = False
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining and self.weight > 0 and not self.removed
+
+    def view(self, now: float) -> ReplicaView:
+        snap = self.snapshot
+        adapters = frozenset(self.adapters)
+        if snap is not None and (snap.running_lora_adapters or snap.waiting_lora_adapters):
+            adapters |= snap.running_lora_adapters | snap.waiting_lora_adapters
+        return ReplicaView(
+            name=self.name,
+            pool=self.pool,
+            model=self.model,
+            group=self.group,
+            weight=self.weight,
+            healthy=self.healthy,
+            draining=self.draining,
+            inflight=self.inflight,
+            cap=self.cap.value,
+            snapshot=snap,
+            snapshot_age_s=now - self.snapshot_at if self.snapshot_at is not None else float("inf"),
+            loaded_adapters=adapters,
+            max_loras=self.max_loras,
+            prefill_tokens=self.prefill_tokens,
+        )
+
+
+class ReplicaRegistry:
+    """All replicas, by name and by pool."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._by_name: dict[str, ReplicaState] = {}
+        self._by_pool: dict[str, list[ReplicaState]] = {}
+
+    @staticmethod
+    def new_cap(pool: PoolSpec, slo_s: float, clock: Clock) -> AdaptiveCap:
+        return AdaptiveCap(
+            pool.max_inflight_per_replica,
+            minimum=pool.min_inflight_per_replica,
+            maximum=pool.max_inflight_per_replica,
+            slo_s=slo_s,
+            clock=clock,
+        )
+
+    @classmethod
+    def from_fleet(cls, fleet: FleetConfig, clock: Clock) -> ReplicaRegistry:
+        """Every replica of every pool in the config, with its cap adapting to the strictest
+        TPOT SLO among the classes (the interactive one)."""
+        reg = cls(clock)
+        slo = min(c.tpot_slo_s for c in fleet.classes.values())
+        for pool in fleet.pools.values():
+            reg._by_pool.setdefault(pool.name, [])
+            for r in pool.replicas:
+                reg.add(
+                    ReplicaState(
+                        name=r.name,
+                        url=r.base_url,
+                        pool=pool.name,
+                        model=pool.model,
+                        cap=cls.new_cap(pool, slo, clock),
+                        group=r.group,
+                        weight=r.weight,
+                        max_loras=r.max_loras,
+                    )
+                )
+        return reg
+
+    # -- membership ------------------------------------------------------------------------------
+
+    def add(self, state: ReplicaState) -> ReplicaState:
+        if state.name in self._by_name:
+            raise KeyError(f"replica '{state.name}' already exists")
+        self._by_name[state.name] = state
+        self._by_pool.setdefault(state.pool, []).append(state)
+        return state
+
+    def remove(self, name: str) -> ReplicaState:
+        state = self._by_name.pop(name)
+        state.removed = True
+        self._by_pool[state.pool] = [s for s in self._by_pool[state.pool] if s is not state]
+        return state
+
+    def get(self, name: str) -> ReplicaState | None:
+        return self._by_name.get(name)
+
+    def __iter__(self) -> Iterator[ReplicaState]:
+        return iter(list(self._by_name.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def pools(self) -> list[str]:
+        return list(self._by_pool)
+
+    def in_pool(self, pool: str) -> list[ReplicaState]:
+        return self._by_pool.get(pool, [])
+
+    # -- what routing and admission read ----------------------------------------------------------
+
+    def views(self, pool: str) -> list[ReplicaView]:
+        now = self.clock.now()
+        return [s.view(now) for s in self._by_pool.get(pool, ())]
+
+    def free_slots(self, pool: str) -> int:
+        return sum(max(0, s.cap.value - s.inflight) for s in self._by_pool.get(pool, ()) if s.routable)
+
+    # -- what the proxy and the scraper write ------------------------------------------------------
+
+    def acquire(self, state: ReplicaState, adapter: str | None = None, prompt_tokens: int = 0) -> None:
+        """A request starts on ``state``; its ``prompt_tokens`` count as pending prefill until
+        :meth:`first_token` (or :meth:`release`) says otherwise."""
+        state.inflight += 1
+        state.prefill_tokens += prompt_tokens
+        state.requests += 1
+        state.cap.note_inflight(state.inflight)
+        if adapter is not None:
+            state.adapter_inflight[adapter] += 1
+            if adapter in state.adapters:  # LRU touch; loading is the adapter manager's job
+                state.adapters[adapter] = self.clock.now()
+
+    def first_token(self, state: ReplicaState, prompt_tokens: int) -> None:
+        """The request's prefill is done: its prompt no longer counts as pending work."""
+        state.prefill_tokens = max(0, state.prefill_tokens - prompt_tokens)
+
+    def release(
+        self,
+        state: ReplicaState,
+        *,
+        adapter: str | None = None,
+        tpot_s: float | None = None,
+        failed: bool = False,
+        pending_prompt_tokens: int = 0,
+    ) -> None:
+        """A request ended; ``pending_prompt_tokens`` is its prompt if it never got a first token."""
+        state.inflight = max(0, state.inflight - 1)
+        state.prefill_tokens = max(0, state.prefill_tokens - pending_prompt_tokens)
+        if failed:
+            state.errors += 1
+        if adapter is not None:
+            state.adapter_inflight[adapter] -= 1
+            if state.adapter_inflight[adapter] <= 0:
+                del state.adapter_inflight[adapter]
+        if tpot_s is not None:
+            state.cap.observe(tpot_s)
+        else:
+            state.cap.maybe_decide()
+
+    def update_snapshot(self, name: str, snapshot: LoadSnapshot) -> None:
+        state = self._by_name.get(name)
+        if state is not None:
+            state.snapshot = snapshot
+            state.snapshot_at = self.clock.now()

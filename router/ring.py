@@ -1,0 +1,132 @@
+"""A consistent-hash ring with virtual nodes, and the bounded-load walk on it.
+
+Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam; HAProxy's
+``hash-balance-factor``, Vimeo): a key goes to the first replica clockwise from its hash whose
+load, counting the new request, stays within ``ceil(c * (total + 1) / n)``; otherwise the walk
+continues clockwise, so an overloaded replica's keys spill to their *second* choice and keep some
+locality there. Several gateways agree on placement without sharing state, because the ring and
+the scraped load are all they need.
+
+Example::
+
+    ring = HashRing(["r0", "r1", "r2"], virtual_nodes=200)
+    choice = bounded_choice(ring, key=stable_hash(b"conversation"), loads={"r0": 3, "r1": 0, "r2": 1})
+    choice.target, choice.home, choice.walks
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+__all__ = ["BoundedChoice", "HashRing", "bounded_choice", "bounded_cost_choice", "stable_hash"]
+
+
+def stable_hash(data: bytes) -> int:
+    """A 64-bit hash that is the same in every process (unlike ``hash()``, which is salted)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """Replicas placed at ``virtual_nodes`` pseudo-random points each on a 64-bit circle."""
+
+    def __init__(self, names: Iterable[str], virtual_nodes: int = 200) -> None:
+        self.names = tuple(sorted(set(names)))
+        points = [
+            (stable_hash(f"{name}#{i}".encode()), name) for name in self.names for i in range(virtual_nodes)
+        ]
+        points.sort()
+        self._hashes = [h for h, _ in points]
+        self._owners = [n for _, n in points]
+
+    def walk(self, key: int) -> Iterator[str]:
+        """Distinct replicas in clockwise order starting at ``key``'s position."""
+        if not self._hashes:
+            return
+        n = len(self._hashes)
+        # Fibonacci mixing spreads keys that are not already uniform (small ids in tests).
+        position = (key * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        start = bisect.bisect_left(self._hashes, position) % n
+        seen: set[str] = set()
+        for i in range(n):
+            owner = self._owners[(start + i) % n]
+            if owner not in seen:
+                seen.add(owner)
+                yield owner
+                if len(seen) == len(self.names):
+                    return
+
+
+@dataclass(frozen=True, slots=True)
+class BoundedChoice:
+    """``target`` -- where the key goes; ``home`` -- its first candidate on the ring;
+    ``walks`` -- candidates skipped because they were over the bound."""
+
+    target: str
+    home: str
+    walks: int
+
+
+def bounded_choice(
+    ring: HashRing,
+    key: int,
+    loads: Mapping[str, float],
+    balance_factor: float = 1.25,
+) -> BoundedChoice | None:
+    """Walk the ring from ``key`` over the replicas in ``loads`` (the candidates) and return the
+    first whose load + 1 fits ``ceil(balance_factor * (total + 1) / n)``; if none fits (every
+    candidate is at the bound, which the formula makes impossible for ``balance_factor >= 1``),
+    the least loaded. Replicas on the ring but not in ``loads`` are skipped silently."""
+    if not loads:
+        return None
+    n = len(loads)
+    total = sum(loads.values())
+    bound = math.ceil(balance_factor * (total + 1) / n)
+    home: str | None = None
+    walks = 0
+    for name in ring.walk(key):
+        load = loads.get(name)
+        if load is None:
+            continue
+        if home is None:
+            home = name
+        if load + 1 <= bound:
+            return BoundedChoice(name, home, walks)
+        walks += 1
+    least = min(loads, key=lambda r: loads[r])
+    return BoundedChoice(least, home or least, walks)
+
+
+def bounded_cost_choice(
+    ring: HashRing,
+    key: int,
+    costs: Mapping[str, float],
+    balance_factor: float = 1.25,
+    prefer: str | None = None,
+) -> BoundedChoice | None:
+    """The bounded-load walk with loads measured in work rather than requests.
+
+    ``costs`` holds, per candidate, the work the request would find there *including its own*
+    (e.g. prefill tokens queued ahead plus the request's tokens not cached there). The key stays
+    on ``prefer`` (where its prefix was last sent) or else its first ring replica unless that
+    cost exceeds ``balance_factor`` x the candidates' mean cost; then it walks clockwise. Counting
+    the request's own work in every cost keeps an idle pool from walking (every cost equals the
+    mean), and lets a replica that already holds most of the prompt take it even when busier.
+    """
+    if not costs:
+        return None
+    bound = balance_factor * sum(costs.values()) / len(costs)
+    order = [n for n in ring.walk(key) if n in costs]
+    home = order[0] if order else next(iter(costs))
+    if prefer is not None and prefer in costs:
+        order = [prefer, *(n for n in order if n != prefer)]
+    walks = 0
+    for name in order:
+        if costs[name] <= bound:
+            return BoundedChoice(name, home, walks)
+        walks += 1
+    best = min(costs, key=lambda r: costs[r])
+    return BoundedChoice(best, home, walks)

@@ -1,0 +1,123 @@
+"""The values routing works on: replica views, the request as the router sees it, per-request state.
+
+A :class:`ReplicaView` is a read-only picture of one replica at the instant of a decision. The
+gateway builds views from live replicas (its own in-flight counts, the last scraped ``/metrics``);
+the routing benchmark builds the very same views from simulated replicas in virtual time. The
+router never reaches a replica itself.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from replicas.metrics import LoadSnapshot
+
+__all__ = ["CycleState", "ReplicaView", "RouteRequest", "RouteResult", "StateKey"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """One replica as the router sees it.
+
+    ``inflight`` is the gateway's own count (instant) and ``prefill_tokens`` the prompt tokens
+    of those requests still waiting for their first token (the prefill work queued there);
+    ``snapshot`` is the last scraped ``/metrics`` (``snapshot_age_s`` old), which also carries
+    other gateways' traffic.
+    """
+
+    name: str
+    pool: str = "default"
+    model: str = ""
+    group: str = "stable"
+    weight: float = 1.0
+    healthy: bool = True
+    draining: bool = False
+    inflight: int = 0
+    cap: int = 64
+    snapshot: LoadSnapshot | None = None
+    snapshot_age_s: float = math.inf
+    loaded_adapters: frozenset[str] = frozenset()
+    max_loras: int = 0
+    prefill_tokens: int = 0
+
+    @property
+    def load(self) -> float:
+        """Requests on this replica: the gateway's in-flight count, or the scraped running + waiting
+        when that is higher (traffic from other gateways, or work the gateway has not seen end)."""
+        snap = self.snapshot
+        if snap is None or self.snapshot_age_s > 10.0:
+            return float(self.inflight)
+        return max(float(self.inflight), snap.num_running + snap.num_waiting)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.cap - self.inflight)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the router needs to know about one request.
+
+    * ``model`` -- the base model; ``adapter`` -- the LoRA adapter named by the request, if any.
+    * ``prefix_key`` -- hash of the stable prompt prefix (see :mod:`router.prefix`), or ``None``.
+    * ``prefix_blocks`` -- chained hashes of the prompt's consecutive blocks (approximate caches).
+    * ``block_tokens`` -- about how many tokens one of ``prefix_blocks`` covers (16 for 64
+      characters of chat text; 512 for a Mooncake trace block).
+    * ``session_key`` -- ``X-Session-Id`` or the request's ``user``, if any.
+    """
+
+    model: str
+    adapter: str | None = None
+    prefix_key: int | None = None
+    prefix_blocks: tuple[int, ...] = ()
+    block_tokens: int = 16
+    session_key: str | None = None
+    prompt_tokens: int = 0
+    request_id: str = ""
+
+
+class StateKey(Generic[T]):
+    """A typed key into :class:`CycleState`: producers put facts, scorers read them."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"StateKey({self.name!r})"
+
+
+@dataclass(slots=True)
+class CycleState:
+    """Scratch space of one routing decision: the request, the time, the seeded RNG, the facts
+    producers attached, and ``notes`` (what happened, for metrics: ring walks, adapter loads)."""
+
+    request: RouteRequest
+    now: float
+    rng: random.Random
+    _data: dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def put(self, key: StateKey[T], value: T) -> None:
+        self._data[key.name] = value
+
+    def get(self, key: StateKey[T]) -> T | None:
+        value: T | None = self._data.get(key.name)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class RouteResult:
+    """The decision: the picked replica, the profile that picked it, every candidate's total score,
+    and the notes producers left (``prefix``: home/walked/none, ``ring_walks``, ``adapter_load``)."""
+
+    replica: ReplicaView
+    profile: str
+    scores: dict[str, float]
+    notes: dict[str, Any]

@@ -1,0 +1,210 @@
+"""Gateways as real processes on real sockets, and an authenticating provider in front of a replica.
+
+Example::
+
+    with run_gateway(tmp_path, fleet_dict(replicas)) as gw:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=DEV_KEY)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import yaml
+from aiohttp import web
+
+from replicas.launcher import ReplicaProcess, free_port
+from replicas.metrics import parse_samples
+from tidal.fleet import hash_api_key
+
+__all__ = [
+    "ACME_KEY",
+    "ADMIN_KEY",
+    "DEV_KEY",
+    "AuthProxy",
+    "Gateway",
+    "fleet_dict",
+    "run_gateway",
+]
+
+DEV_KEY = "dev-key-for-tests-0123456789"
+ADMIN_KEY = "admin-key-for-tests-0123456789"
+ACME_KEY = "acme-key-for-tests-0123456789"
+
+
+def fleet_dict(
+    replica_urls: list[str],
+    *,
+    adapters: dict[str, str] | None = None,
+    cap: int = 64,
+    min_cap: int = 1,
+    max_queue: int = 256,
+    wait_budget_s: float = 2.0,
+    tpot_slo_s: float = 0.05,
+    external: str | None = None,
+    max_loras: int = 2,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A fleet of tiny-model replicas: features chat (acme's), default, regulated and pinned."""
+    data: dict[str, Any] = {
+        "models": [{"name": "tiny", "max_model_len": 4096}],
+        "adapters": [{"name": n, "path": p, "base_model": "tiny"} for n, p in (adapters or {}).items()],
+        "pools": {
+            "interactive": {
+                "kind": "interactive",
+                "model": "tiny",
+                "max_inflight_per_replica": cap,
+                "min_inflight_per_replica": min(min_cap, cap),
+                "replicas": [
+                    {"name": f"replica-{i}", "url": u, "max_loras": max_loras}
+                    for i, u in enumerate(replica_urls)
+                ],
+            }
+        },
+        "classes": {
+            "interactive": {"priority": 0, "wait_budget_s": wait_budget_s, "tpot_slo_s": tpot_slo_s},
+            "batch": {"priority": 100, "wait_budget_s": 3600, "tpot_slo_s": 1.0, "ttft_slo_s": 3600},
+        },
+        "features": {
+            "default": {"class": "interactive", "context_cap": 3000},
+            "chat": {"class": "interactive", "context_cap": 2048},
+            "claims": {"class": "interactive", "context_cap": 3000, "regulated": True},
+        },
+        "tenants": [{"name": "acme", "key_hashes": [hash_api_key(ACME_KEY)], "features": ["chat"]}],
+        "gateway": {"max_queue": max_queue, "scrape_interval_s": 0.5},
+    }
+    if external is not None:
+        data["external_provider"] = {"url": external, "api_key_env": "TIDAL_TEST_PROVIDER_KEY"}
+        data["features"]["hard"] = {"class": "interactive", "context_cap": 3000, "pin_external": True}
+    data.update(extra)
+    return data
+
+
+@dataclass
+class Gateway:
+    proc: ReplicaProcess
+    url: str
+
+    def admin(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        return httpx.request(
+            method, self.url + path, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30, **kw
+        )
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a gateway metric's samples matching ``labels``."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return sum(
+            s.value
+            for s in parse_samples(text)
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    def samples(self, name: str) -> list[tuple[dict[str, str], float]]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return [(s.labels, s.value) for s in parse_samples(text) if s.name == name]
+
+    def rss_bytes(self) -> int:
+        assert self.proc.pid is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+
+@contextlib.contextmanager
+def run_gateway(
+    tmp_path: Path, fleet: dict[str, Any], env: dict[str, str] | None = None
+) -> Iterator[Gateway]:
+    """``tidal gateway`` as a subprocess on a free port; stopped on exit."""
+    path = tmp_path / f"fleet-{free_port()}.yaml"
+    path.write_text(yaml.safe_dump(fleet))
+    port = free_port()
+    proc = ReplicaProcess(
+        "gateway",
+        [sys.executable, "-m", "tidal", "gateway", "--config", str(path), "--port", str(port)],
+        port=port,
+        env={"TIDAL_ADMIN_KEY": ADMIN_KEY, "TIDAL_DEV_API_KEY": DEV_KEY, **(env or {})},
+        log_path=tmp_path / f"gateway-{port}.log",
+        health_path="/healthz",
+    )
+    proc.start()
+    try:
+        proc.wait_ready(60)
+        yield Gateway(proc, proc.url)
+    finally:
+        proc.stop()
+
+
+@dataclass
+class AuthProxy:
+    """An OpenAI-compatible "external provider": checks its own API key, forwards to a replica."""
+
+    upstream: str
+    key: str
+    port: int = field(default_factory=free_port)
+    requests: int = 0
+    refused: int = 0
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != f"Bearer {self.key}":
+            self.refused += 1
+            return web.json_response(
+                {"error": {"message": "bad key", "type": "auth", "code": None}}, status=401
+            )
+        self.requests += 1
+        body = await request.read()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                self.upstream + request.path, data=body, headers={"Content-Type": "application/json"}
+            ) as up,
+        ):
+            resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers["Content-Type"]})
+            await resp.prepare(request)
+            async for piece in up.content.iter_any():
+                await resp.write(piece)
+            await resp.write_eof()
+            return resp
+
+    def __enter__(self) -> AuthProxy:
+        ready = threading.Event()
+
+        def serve() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            app = web.Application()
+            app.router.add_post("/v1/{tail:.*}", self._handle)
+            self._runner = web.AppRunner(app)
+            loop.run_until_complete(self._runner.setup())
+            loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+        self._thread = threading.Thread(target=serve, daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)

@@ -1,0 +1,92 @@
+"""The admin API contract the scheduler builds on: replicas at run time and the load signal."""
+
+from __future__ import annotations
+
+from tests.api.harness import Gateway
+
+POOL_KEYS = {
+    "queue_depth",
+    "queue_wait_p95_s",
+    "ttft_p95_s",
+    "tpot_p95_s",
+    "inflight",
+    "kv_cache_usage_max",
+    "kv_cache_usage_mean",
+    "num_waiting",
+    "replicas_healthy",
+    "replicas_total",
+    "requests_per_s",
+    "error_rate",
+}
+REPLICA_KEYS = {
+    "name",
+    "url",
+    "pool",
+    "group",
+    "weight",
+    "healthy",
+    "draining",
+    "inflight",
+    "cap",
+    "loaded_adapters",
+    "snapshot",
+    "snapshot_age_s",
+}
+
+
+def test_register_patch_and_remove_a_replica(offline_gateway: Gateway) -> None:
+    gw = offline_gateway
+    # Given the autoscaler started a replica, When it registers it, Then it is listed with defaults.
+    r = gw.admin(
+        "POST",
+        "/admin/replicas",
+        json={"name": "admin-t1", "url": "http://127.0.0.1:9", "pool": "interactive"},
+    )
+    assert r.status_code == 201, r.text
+    assert r.json()["group"] == "stable" and r.json()["weight"] == 1.0 and r.json()["cap"] == 64
+    listed = {x["name"]: x for x in gw.admin("GET", "/admin/replicas").json()["data"]}
+    assert set(listed["admin-t1"]) == REPLICA_KEYS
+    assert gw.admin("GET", "/admin/load").json()["pools"]["interactive"]["replicas_total"] >= 2
+    # A second registration under the same name is a conflict.
+    dup = gw.admin(
+        "POST",
+        "/admin/replicas",
+        json={"name": "admin-t1", "url": "http://127.0.0.1:9", "pool": "interactive"},
+    )
+    assert dup.status_code == 409 and dup.json()["error"]["code"] == "replica_exists"
+    # Canary weight, draining and health are set independently.
+    r = gw.admin("PATCH", "/admin/replicas/admin-t1", json={"weight": 0.05, "draining": True})
+    assert r.json()["weight"] == 0.05 and r.json()["draining"] is True and r.json()["healthy"] is True
+    r = gw.admin("PATCH", "/admin/replicas/admin-t1", json={"healthy": False})
+    assert r.json()["healthy"] is False
+    # Deregistration drains first; with nothing in flight it is immediate.
+    r = gw.admin("DELETE", "/admin/replicas/admin-t1")
+    assert r.status_code == 200 and r.json() == {"name": "admin-t1", "removed": True, "inflight": 0}
+    assert gw.admin("DELETE", "/admin/replicas/admin-t1").status_code == 404
+    assert gw.admin("PATCH", "/admin/replicas/admin-t1", json={"healthy": True}).status_code == 404
+
+
+def test_registration_is_validated(offline_gateway: Gateway) -> None:
+    gw = offline_gateway
+    bad_scheme = gw.admin(
+        "POST", "/admin/replicas", json={"name": "x1", "url": "file:///etc/passwd", "pool": "interactive"}
+    )
+    assert bad_scheme.status_code == 400 and bad_scheme.json()["error"]["param"] == "url"
+    no_pool = gw.admin(
+        "POST", "/admin/replicas", json={"name": "x2", "url": "http://127.0.0.1:9", "pool": "gpu-9"}
+    )
+    assert no_pool.status_code == 400 and no_pool.json()["error"]["code"] == "unknown_pool"
+    extra = gw.admin("PATCH", "/admin/replicas/replica-0", json={"healthy": True, "colour": "red"})
+    assert extra.status_code == 400
+    weight = gw.admin("PATCH", "/admin/replicas/replica-0", json={"weight": -1})
+    assert weight.status_code == 400
+
+
+def test_load_signal_shape(offline_gateway: Gateway) -> None:
+    load = offline_gateway.admin("GET", "/admin/load").json()
+    assert isinstance(load["time"], float)
+    assert set(load["pools"]["interactive"]) == POOL_KEYS
+    for group in load["groups"].values():
+        assert set(group) == {"requests", "errors", "error_rate"}
+    profiles = offline_gateway.admin("GET", "/admin/router").json()
+    assert profiles["default"] == "tidal" and "llm_d" in profiles["profiles"]

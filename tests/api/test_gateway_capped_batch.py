@@ -1,0 +1,151 @@
+"""The capped batch under sustained load on real vLLM: the per-replica cap adapts so TPOT p95
+stays under the class's SLO.
+
+Every request carries a long shared system prompt (about 3000 tokens), so decode reads a long
+context per sequence and the tiny model's time per output token grows with the batch on the CPU
+(a few ms for a few streams, tens of ms for 64), as decode does on a GPU. The test reads the
+engine's own per-request TPOT (vLLM's histogram, whose 25 ms bucket bound is the SLO):
+the gateway's and the clients' timestamps add a shared machine's scheduling noise on top.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from replicas.metrics import Histogram, parse_samples
+from tests.api.harness import DEV_KEY, Gateway, fleet_dict, run_gateway
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+TOKENS = 48
+SLO = 0.025
+EMPTY = Histogram((), 0.0, 0.0)
+SYSTEM = " ".join(f"fact {i}: the sky is blue and the grass is green." for i in range(110))
+
+
+async def _one(client: openai.AsyncOpenAI, i: int) -> tuple[float, float | None]:
+    """(start time, client-side TPOT) of one streamed request."""
+    start = time.monotonic()
+    stamps: list[float] = []
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"story {i}"}],
+        max_tokens=TOKENS,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content is not None:
+            stamps.append(time.monotonic())
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    return start, tpot
+
+
+def _histograms(gw: Gateway, replica_url: str) -> tuple[Histogram, Histogram]:
+    """Per-request TPOT as the gateway measures it and as the engine does
+    (``vllm:request_time_per_output_token_seconds``)."""
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for s in parse_samples(httpx.get(gw.url + "/metrics", timeout=10).text):
+        if s.name == "tidal_gateway_tpot_seconds_bucket":
+            le = float("inf") if s.labels["le"] == "+Inf" else float(s.labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + s.value
+        elif s.name == "tidal_gateway_tpot_seconds_sum":
+            total += s.value
+        elif s.name == "tidal_gateway_tpot_seconds_count":
+            count += s.value
+    engine_buckets: dict[float, float] = {}
+    engine_sum = engine_count = 0.0
+    for s in parse_samples(httpx.get(replica_url + "/metrics", timeout=10).text):
+        if s.name == "vllm:request_time_per_output_token_seconds_bucket":
+            le = float("inf") if s.labels["le"] == "+Inf" else float(s.labels["le"])
+            engine_buckets[le] = engine_buckets.get(le, 0.0) + s.value
+        elif s.name == "vllm:request_time_per_output_token_seconds_sum":
+            engine_sum += s.value
+        elif s.name == "vllm:request_time_per_output_token_seconds_count":
+            engine_count += s.value
+    engine = Histogram(tuple(sorted(engine_buckets.items())), engine_sum, engine_count)
+    return Histogram(tuple(sorted(buckets.items())), total, count), engine
+
+
+async def _sustain(
+    gw: Gateway,
+    replica_url: str,
+    workers: int,
+    seconds: float,
+    marks: dict[float, tuple[Histogram, Histogram]],
+) -> list[tuple[float, float]]:
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=DEV_KEY, max_retries=0, timeout=300)
+    start = time.monotonic()
+    deadline = start + seconds
+    out: list[tuple[float, float]] = []
+
+    async def mark() -> None:
+        for at in sorted(marks):
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            marks[at] = await asyncio.to_thread(_histograms, gw, replica_url)
+
+    async def worker(w: int) -> None:
+        i = 0
+        while time.monotonic() < deadline:
+            start, tpot = await _one(client, w * 10_000 + i)
+            if tpot is not None:
+                out.append((start, tpot))
+            i += 1
+
+    await asyncio.gather(mark(), *(worker(w) for w in range(workers)))
+    await client.close()
+    return out
+
+
+def _share_within(h: Histogram, limit: float) -> float:
+    """Share of the observations at or under ``limit`` (a bucket bound: exact, no interpolation)."""
+    at = dict(h.buckets).get(limit)
+    assert at is not None, f"{limit} is not a bucket bound"
+    return at / h.count if h.count else 0.0
+
+
+def test_the_cap_holds_tpot_p95_under_the_slo(vllm_pair: list, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    url = vllm_pair[0].url
+
+    def gateway(adaptive: bool):  # type: ignore[no-untyped-def]
+        fleet = fleet_dict(
+            [url], cap=64, min_cap=2 if adaptive else 64, max_queue=512, wait_budget_s=300, tpot_slo_s=SLO
+        )
+        return run_gateway(tmp_path, fleet)
+
+    # Given one replica (one engine keeps a core busy; two would leave no core for the gateway and
+    # the clients on a small machine) and a 25 ms TPOT SLO,
+    # When 72 clients stream without pause through a gateway whose cap is pinned at 64,
+    with gateway(adaptive=False) as fixed:
+        marks = {6.0: (EMPTY, EMPTY), 15.0: (EMPTY, EMPTY)}
+        asyncio.run(_sustain(fixed, url, workers=72, seconds=15, marks=marks))
+        pinned = [b - a for a, b in zip(marks[6.0], marks[15.0], strict=True)]
+    # and then through one whose cap adapts (starting at 64),
+    with gateway(adaptive=True) as gw:
+        marks = {20.0: (EMPTY, EMPTY), 40.0: (EMPTY, EMPTY)}
+        asyncio.run(_sustain(gw, url, workers=72, seconds=40, marks=marks))
+        caps = [r["cap"] for r in gw.admin("GET", "/admin/replicas").json()["data"]]
+        adapted = [b - a for a, b in zip(marks[20.0], marks[40.0], strict=True)]
+    facts = (
+        f"SLO {SLO * 1000:.0f} ms; cap pinned at 64: per-request TPOT p95 {pinned[0].quantile(0.95) * 1000:.0f} ms at "
+        f"the gateway, {_share_within(pinned[1], SLO):.1%} of requests within the SLO at the engine; adapted "
+        f"(cap {caps}): {adapted[0].quantile(0.95) * 1000:.0f} ms, {_share_within(adapted[1], SLO):.1%}"
+    )
+    print(facts)
+    # Then the pinned cap broke the SLO -- fewer than 95% of requests had a TPOT within 25 ms at
+    # the engine, so the p95 is above it -- while the adaptive cap came down from 64 and brought
+    # (nearly) all requests within it. On an idle machine the adapted share is above 95%; on one
+    # whose cores are oversubscribed by other work, the engine is starved now and then whatever
+    # its batch, so the bound below leaves room for that (the routing benchmark measures the
+    # p95 on the simulator without such noise).
+    assert adapted[1].count >= 50 and pinned[1].count >= 50, facts
+    assert _share_within(pinned[1], SLO) < 0.95, facts
+    assert all(c < 64 for c in caps), facts
+    assert _share_within(adapted[1], SLO) >= max(0.85, _share_within(pinned[1], SLO) + 0.2), facts

@@ -1,0 +1,67 @@
+"""The routing benchmark on a small trace: the contract's columns, and the policies differ."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.routing import replay, run
+from bench.traces import synthetic_workload
+
+COLUMNS = {
+    "trace",
+    "load",
+    "policy",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p95_s",
+    "prefix_hit_ratio",
+    "ideal_hit_ratio",
+    "throughput_tok_s",
+    "imbalance",
+}
+
+
+def _mooncake_file(tmp_path: Path) -> Path:
+    # Conversations on one shared system block, each with a few turns that extend their prefix.
+    lines = []
+    t = 0
+    for conv in range(40):
+        ids = [0, 1000 + conv * 10]
+        for turn in range(3):
+            ids = [*ids, 100_000 + conv * 10 + turn]
+            lines.append(
+                {"timestamp": t, "input_length": 512 * len(ids), "output_length": 40, "hash_ids": ids}
+            )
+            t += 250
+    path = tmp_path / "tiny_trace.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in sorted(lines, key=lambda x: x["timestamp"])) + "\n")
+    return path
+
+
+def test_a_trace_file_gives_one_row_per_trace_load_and_policy(tmp_path: Path) -> None:
+    rows = run(
+        quick=True,
+        out_dir=tmp_path,
+        trace=str(_mooncake_file(tmp_path)),
+        loads="0.5",
+        policies="tidal,round_robin",
+        replicas="4",
+    )
+    assert [(r["load"], r["policy"]) for r in rows] == [(0.5, "tidal"), (0.5, "round_robin")]
+    for row in rows:
+        assert set(row) >= COLUMNS
+        assert row["trace"] == "tiny_trace.jsonl" and row["requests"] == 120
+        assert 0 <= row["prefix_hit_ratio"] <= row["ideal_hit_ratio"] + 1e-9
+    tidal, rr = rows
+    # Turns of a conversation share their prefix: following it beats spreading turns round robin.
+    assert tidal["prefix_hit_ratio"] > rr["prefix_hit_ratio"]
+
+
+def test_replay_uses_the_product_router_and_caps() -> None:
+    workload = synthetic_workload(duration_s=120, rate_per_s=2.0, seed=1)
+    result = replay(workload, "tidal", scale=1.0, replicas=2)
+    assert result["served"] == len(workload) and result["refused"] == 0
+    assert all(2 <= c <= 16 for c in result["final_caps"])

@@ -1,0 +1,131 @@
+"""Admission: admit, queue (bounded, class priority), overflow or 429 with Retry-After."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from priority.admission import Admission, Decision, Outcome
+from tidal.clock import ManualClock
+
+
+@dataclass
+class Slots:
+    free: dict[str, int] = field(default_factory=lambda: {"p": 0})
+
+    def free_slots(self, pool: str) -> int:
+        return self.free.get(pool, 0)
+
+
+def make(
+    free: int = 0, *, max_queue: int = 4, overflow: bool = False
+) -> tuple[Admission, Slots, ManualClock]:
+    clock = ManualClock()
+    slots = Slots({"p": free})
+    return (
+        Admission(capacity=slots, clock=clock, max_queue=max_queue, overflow_available=overflow),
+        slots,
+        clock,
+    )
+
+
+def offer(
+    a: Admission, *, priority: int = 0, budget: float = 2.0, regulated: bool = False, cls: str = "interactive"
+):  # type: ignore[no-untyped-def]
+    return a.offer("p", cls, priority=priority, wait_budget_s=budget, feature="chat", regulated=regulated)
+
+
+def test_free_slot_admits_at_once_and_reserves_it() -> None:
+    # Given one free slot, When two requests arrive, Then the first is admitted, the second queues.
+    a, _, _ = make(free=1)
+    v1, t1 = offer(a)
+    v2, _ = offer(a)
+    assert v1.decision is Decision.ADMIT and v2.decision is Decision.QUEUE
+    # When the first starts on a replica, its reservation becomes real in-flight (the source's job).
+    a.started(t1)
+    assert a.outcomes[("interactive", "chat", Outcome.ADMITTED)] == 1
+    assert a.outcomes[("interactive", "chat", Outcome.QUEUED)] == 1
+
+
+def test_waiters_are_woken_by_class_priority_then_fifo() -> None:
+    # Given a full pool and waiters of two classes,
+    a, slots, _ = make(free=0, max_queue=10)
+    _, low1 = offer(a, priority=10, cls="standard")
+    _, high1 = offer(a, priority=0)
+    _, low2 = offer(a, priority=10, cls="standard")
+    _, high2 = offer(a, priority=0)
+    # When two slots free, Then both interactive waiters go first, in arrival order.
+    slots.free["p"] = 2
+    assert a.wake("p") == [high1, high2]
+    # When they start and two more slots free, the standard ones follow in order.
+    a.started(high1)
+    a.started(high2)
+    assert a.wake("p") == [low1, low2]
+    assert a.queue_depth("p") == 0
+
+
+def test_full_queue_rejects_with_retry_after_from_the_drain_rate() -> None:
+    # Given a saturated pool that finished 10 requests in the last 5 s (2/s) and a full queue,
+    a, _, clock = make(free=0, max_queue=4)
+    for _ in range(10):
+        a.completed("p")
+        clock.advance(0.4)
+    for _ in range(4):
+        assert offer(a, budget=100)[0].decision is Decision.QUEUE
+    # When one more arrives, Then it is refused with Retry-After = ceil((4 ahead + 1) / 2 per s) = 3.
+    verdict, _ = offer(a)
+    assert verdict.decision is Decision.REJECT and verdict.retry_after_s == 3
+    assert a.outcomes[("interactive", "chat", Outcome.REJECTED)] == 1
+    assert a.queue_depth() == 4  # the queue never grows beyond its limit
+
+
+def test_unmeetable_budget_overflows_unless_regulated() -> None:
+    # Given a pool draining 1 request/s with 3 waiting and a 2 s budget,
+    a, _, clock = make(free=0, max_queue=100, overflow=True)
+    for _ in range(5):
+        a.completed("p")
+        clock.advance(1.0)
+    for _ in range(3):
+        offer(a, budget=60)
+    # When a request arrives whose expected wait (4 s) exceeds its budget,
+    # Then it overflows to the external provider, except a regulated one, which gets 429.
+    assert offer(a, budget=2.0)[0].decision is Decision.OVERFLOW
+    regulated, _ = offer(a, budget=2.0, regulated=True)
+    assert regulated.decision is Decision.REJECT and regulated.retry_after_s is not None
+    assert a.outcomes[("interactive", "chat", Outcome.OVERFLOWED)] == 1
+
+
+def test_expired_waiters_leave_the_queue() -> None:
+    # Given a queued request, When its budget runs out before a slot frees, Then expire() refuses it.
+    a, slots, clock = make(free=0)
+    _, t = offer(a, budget=1.0)
+    clock.advance(1.5)
+    verdict = a.expire(t)
+    assert verdict is not None and verdict.decision is Decision.REJECT
+    assert a.queue_depth("p") == 0
+    # A ticket granted before its timer fired proceeds.
+    _, t2 = offer(a, budget=1.0)
+    slots.free["p"] = 1
+    assert a.wake("p") == [t2]
+    assert a.expire(t2) is None
+
+
+def test_late_tickets_are_not_granted_and_withdrawn_ones_free_their_slot() -> None:
+    a, slots, clock = make(free=0)
+    _, late = offer(a, budget=1.0)
+    clock.advance(2.0)
+    slots.free["p"] = 1
+    assert a.wake("p") == []  # its budget is over: the timer's expire() answers it
+    assert a.expire(late) is not None
+    v, t = offer(a)
+    assert v.decision is Decision.ADMIT
+    a.withdraw(t)  # the client left before it started: the slot is free again
+    assert offer(a)[0].decision is Decision.ADMIT
+
+
+def test_queue_wait_quantile_covers_admitted_requests() -> None:
+    a, slots, clock = make(free=0)
+    _, t = offer(a)
+    clock.advance(0.5)
+    slots.free["p"] = 1
+    a.wake("p")
+    assert a.queue_wait_quantile("p", 1.0) == 0.5

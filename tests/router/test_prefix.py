@@ -1,0 +1,51 @@
+"""Prefix keys name a conversation; prefix blocks chain."""
+
+from __future__ import annotations
+
+from router.prefix import (
+    blocks_prefix_key,
+    chat_prefix_key,
+    completion_prefix_key,
+    render_messages,
+    text_blocks,
+)
+
+SYSTEM = {"role": "system", "content": "You are a support bot for Acme."}
+
+
+def test_chat_key_is_system_tools_and_first_user_turn() -> None:
+    turn1 = [SYSTEM, {"role": "user", "content": "my order is late"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "sorry"}, {"role": "user", "content": "where is it?"}]
+    other = [SYSTEM, {"role": "user", "content": "cancel my plan"}]
+    assert chat_prefix_key(turn1) == chat_prefix_key(turn2)  # the same conversation
+    assert chat_prefix_key(turn1) != chat_prefix_key(other)  # same system prompt, other conversation
+    assert chat_prefix_key(turn1, tools=[{"type": "function"}]) != chat_prefix_key(turn1)
+    assert chat_prefix_key([]) is None
+
+
+def test_content_parts_and_developer_messages_count() -> None:
+    a = [
+        {"role": "developer", "content": [{"type": "text", "text": "rules"}]},
+        {"role": "user", "content": "x"},
+    ]
+    b = [{"role": "developer", "content": "rules"}, {"role": "user", "content": "x"}]
+    assert chat_prefix_key(a) == chat_prefix_key(b)
+
+
+def test_blocks_chain_so_shared_prefixes_share_leading_hashes() -> None:
+    base = "x" * 64 * 3
+    a = text_blocks(base + "a" * 64)
+    b = text_blocks(base + "b" * 64)
+    assert a[:3] == b[:3] and a[3] != b[3]
+    assert text_blocks("short") == ()
+    assert len(text_blocks("y" * 64 * 1000)) == 256  # bounded
+    assert "system\nYou are" in render_messages([SYSTEM])
+
+
+def test_completion_and_trace_keys() -> None:
+    assert completion_prefix_key("abc" * 1000) == completion_prefix_key("abc" * 1000 + "tail")
+    assert completion_prefix_key("") is None
+    assert completion_prefix_key([1, 2, 3]) == completion_prefix_key([1, 2, 3])
+    assert blocks_prefix_key([0, 14, 15], 2) == blocks_prefix_key([0, 14, 99], 2)
+    assert blocks_prefix_key([0, 14, 15], 2) != blocks_prefix_key([0, 28, 15], 2)
+    assert blocks_prefix_key([], 2) is None
