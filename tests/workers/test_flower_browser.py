@@ -1,6 +1,7 @@
 """Flower, opened in Debian's headless Chromium, shows the lanes' workers behind basic auth.
 
-The screenshot it takes is committed as ``docs/flower-workers.png``.
+The screenshot it takes goes to the test's temporary directory; with ``TIDAL_UPDATE_SCREENSHOTS=1``
+it replaces the committed ``docs/flower-workers.png`` (so a plain test run leaves the tree clean).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.services import in_ci
 
 pytestmark = [pytest.mark.browser, pytest.mark.rabbitmq]
 
-SCREENSHOT = ROOT / "docs" / "flower-workers.png"
+COMMITTED_SCREENSHOT = ROOT / "docs" / "flower-workers.png"
 AUTH = "ops:flower-test-password"
 
 
@@ -119,11 +120,13 @@ def test_flower_shows_the_lanes_workers_behind_basic_auth(tier: BatchTier, tmp_p
         for lane in ("reserved", "spot", "shared"):
             assert f"{lane}@" in dom, dom[:2000]
         assert "Online" in dom
-        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        screenshot = tmp_path / "flower-workers.png"
         subprocess.run(
-            [chromium, *flags, f"--screenshot={SCREENSHOT}", url], capture_output=True, timeout=90, check=True
+            [chromium, *flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=90, check=True
         )
-        assert SCREENSHOT.stat().st_size > 10_000
+        assert screenshot.stat().st_size > 10_000
+        if os.environ.get("TIDAL_UPDATE_SCREENSHOTS") == "1":
+            shutil.copyfile(screenshot, COMMITTED_SCREENSHOT)
     finally:
         flower.terminate()
         try:
