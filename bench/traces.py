@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from replicas.words import COMMON_WORDS
+
 __all__ = [
     "TraceRequest",
     "block_hashes",
@@ -321,90 +323,6 @@ def block_hashes(req: TraceRequest, block_size: int = 16) -> list[int]:
     return out
 
 
-_WORDS = [
-    "the",
-    "a",
-    "of",
-    "to",
-    "and",
-    "in",
-    "is",
-    "you",
-    "that",
-    "it",
-    "for",
-    "on",
-    "with",
-    "as",
-    "are",
-    "this",
-    "be",
-    "at",
-    "or",
-    "have",
-    "from",
-    "by",
-    "one",
-    "all",
-    "system",
-    "user",
-    "assistant",
-    "hello",
-    "world",
-    "model",
-    "token",
-    "prefix",
-    "cache",
-    "batch",
-    "chat",
-    "request",
-    "reply",
-    "answer",
-    "question",
-    "summary",
-    "document",
-    "eval",
-    "embedding",
-    "replica",
-    "router",
-    "gateway",
-    "queue",
-    "priority",
-    "latency",
-    "fast",
-    "slow",
-    "tidal",
-    "pool",
-    "shared",
-    "spot",
-    "reserved",
-    "interactive",
-    "please",
-    "write",
-    "tell",
-    "me",
-    "about",
-    "explain",
-    "why",
-    "how",
-    "what",
-    "when",
-    "where",
-    "which",
-    "number",
-    "first",
-    "second",
-    "third",
-    "time",
-    "day",
-    "night",
-    "data",
-    "python",
-    "code",
-    "function",
-]
-
-
 def prompt_text(req: TraceRequest, *, tokens_per_block: int | None = None) -> str:
     """Deterministic text of about ``input_length`` words; equal id prefixes give equal text."""
     bt = tokens_per_block or req.block_tokens
@@ -414,7 +332,7 @@ def prompt_text(req: TraceRequest, *, tokens_per_block: int | None = None) -> st
     for h in ids:
         n = min(bt, remaining)
         rng = random.Random(h)
-        words.extend(rng.choice(_WORDS) for _ in range(n))
+        words.extend(rng.choice(COMMON_WORDS) for _ in range(n))
         remaining -= n
         if remaining <= 0:
             break

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replicas.words import COMMON_WORDS
+
 __all__ = ["CHAT_TEMPLATE", "TinyModelSpec", "build_tiny_model"]
 
 # A minimal chat template in the ChatML style; vLLM renders it with jinja2.
@@ -51,88 +53,7 @@ class TinyModelSpec:
 
 def _corpus() -> list[str]:
     # Deterministic English-ish text so the BPE merges are stable from build to build.
-    words = [
-        "the",
-        "a",
-        "of",
-        "to",
-        "and",
-        "in",
-        "is",
-        "you",
-        "that",
-        "it",
-        "for",
-        "on",
-        "with",
-        "as",
-        "are",
-        "this",
-        "be",
-        "at",
-        "or",
-        "have",
-        "from",
-        "by",
-        "one",
-        "all",
-        "system",
-        "user",
-        "assistant",
-        "hello",
-        "world",
-        "model",
-        "token",
-        "prefix",
-        "cache",
-        "batch",
-        "chat",
-        "request",
-        "reply",
-        "answer",
-        "question",
-        "summary",
-        "document",
-        "eval",
-        "embedding",
-        "replica",
-        "router",
-        "gateway",
-        "queue",
-        "priority",
-        "latency",
-        "fast",
-        "slow",
-        "tidal",
-        "pool",
-        "shared",
-        "spot",
-        "reserved",
-        "interactive",
-        "please",
-        "write",
-        "tell",
-        "me",
-        "about",
-        "explain",
-        "why",
-        "how",
-        "what",
-        "when",
-        "where",
-        "which",
-        "number",
-        "first",
-        "second",
-        "third",
-        "time",
-        "day",
-        "night",
-        "data",
-        "python",
-        "code",
-        "function",
-    ]
+    words = COMMON_WORDS
     lines = []
     for i in range(4000):
         n = 6 + (i * 7) % 11
