@@ -24,6 +24,7 @@ from scheduler.gate import (
     LaneController,
     Transition,
 )
+from scheduler.evals import EvalError, ReplicaEvalRunner
 from scheduler.gateway import GatewayAdmin, GatewayError
 from scheduler.health import CanaryGeneration, HealthEvent, HealthProber, Prober, ProbeResult
 from scheduler.metrics import SchedulerMetrics
@@ -35,6 +36,7 @@ __all__ = [
     "CanaryGeneration",
     "CanarySpec",
     "CanaryState",
+    "EvalError",
     "EvalRunner",
     "GateController",
     "GateSample",
@@ -51,6 +53,7 @@ __all__ = [
     "PoolLoad",
     "ProbeResult",
     "Prober",
+    "ReplicaEvalRunner",
     "ReplicaRegistry",
     "ReplicaView",
     "SchedulerMetrics",

@@ -29,20 +29,26 @@ import itertools
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from batch_jobs.errors import InvalidRequest
 from batch_jobs.jobs.base import Answer, Finished, JobContext, Stage
 from batch_jobs.jobs.offline_eval import EvalOptions, OfflineEval
 from replicas.client import ReplicaClient
 from replicas.errors import ReplicaError
-from scheduler.signals import ReplicaRegistry, ReplicaView
+from scheduler.signals import ReplicaView
 
-__all__ = ["EvalError", "ReplicaEvalRunner"]
+__all__ = ["EvalError", "ReplicaEvalRunner", "ReplicaListing"]
 
 log = logging.getLogger(__name__)
 
 MAX_ITEMS = 10_000  # the largest eval set a runner accepts, whatever it is given
+
+
+class ReplicaListing(Protocol):
+    """Where the runner finds a group's replicas (a :class:`~scheduler.gateway.GatewayAdmin`)."""
+
+    async def replicas(self) -> list[ReplicaView]: ...
 
 
 class EvalError(RuntimeError):
@@ -63,7 +69,7 @@ class ReplicaEvalRunner:
 
     def __init__(
         self,
-        registry: ReplicaRegistry,
+        registry: ReplicaListing,
         dataset: Path,
         *,
         models: Mapping[str, str],

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from replicas.launcher import ReplicaProcess, free_port
 from replicas.metrics import parse_samples
+from router.ring import HashRing, stable_hash
 from tidal.fleet import hash_api_key
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "Gateway",
     "fleet_dict",
     "run_gateway",
+    "session_for",
 ]
 
 DEV_KEY = "dev-key-for-tests-0123456789"
@@ -87,6 +89,16 @@ def fleet_dict(
         data["features"]["hard"] = {"class": "interactive", "context_cap": 3000, "pin_external": True}
     data.update(extra)
     return data
+
+
+def session_for(target: str, names: list[str]) -> str:
+    """A session id (``X-Session-Id``) whose home on the gateway's session ring is ``target``."""
+    ring = HashRing(names)
+    for i in range(10_000):
+        sid = f"session-{i}"
+        if next(ring.walk(stable_hash(sid.encode()))) == target:
+            return sid
+    raise AssertionError("no session maps to the target")
 
 
 @dataclass

@@ -15,20 +15,9 @@ import httpx
 import openai
 import pytest
 
-from router.ring import HashRing, stable_hash
-from tests.api.harness import DEV_KEY, Gateway, fleet_dict, run_gateway
+from tests.api.harness import DEV_KEY, Gateway, fleet_dict, run_gateway, session_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _session_for(target: str, names: list[str]) -> str:
-    """A session id whose home on the gateway's session ring is ``target``."""
-    ring = HashRing(names)
-    for i in range(10_000):
-        sid = f"session-{i}"
-        if next(ring.walk(stable_hash(sid.encode()))) == target:
-            return sid
-    raise AssertionError("no session maps to the target")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +49,7 @@ def _stream(gw: Gateway, session: str, max_tokens: int) -> Iterator[str]:
 
 
 def test_failures_before_and_after_the_first_token(gateway: Gateway, doomed) -> None:  # type: ignore[no-untyped-def]
-    session = _session_for("replica-0", ["replica-0", "replica-1"])
+    session = session_for("replica-0", ["replica-0", "replica-1"])
 
     # Given a stream on replica-0 that has delivered tokens,
     # When the health prober marks replica-0 unhealthy,

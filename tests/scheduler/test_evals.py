@@ -1,0 +1,118 @@
+"""The canary's eval runner: the ``eval`` job kind's scores on a group's replicas, and its bounds.
+
+Scores are checked on real ``tidal sim`` replicas with an answer key; the registry is an
+in-memory list of them (what ``GET /admin/replicas`` would answer).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from replicas.launcher import ReplicaProcess, free_port
+from replicas.words import COMMON_WORDS
+from scheduler.evals import EvalError, ReplicaEvalRunner
+from scheduler.signals import ReplicaView
+from tests.scheduler.processes import sim_replicas
+
+pytestmark = pytest.mark.anyio
+
+ITEMS = [(f"Name the two words of item {i}.", f"{COMMON_WORDS[i]} {COMMON_WORDS[-1 - i]}") for i in range(20)]
+
+
+class Listing:
+    def __init__(self, *views: ReplicaView) -> None:
+        self.views = list(views)
+
+    async def replicas(self) -> list[ReplicaView]:
+        return self.views
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("evals")
+    dataset, key = d / "eval.jsonl", d / "key.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p, "reference": a}) + "\n" for p, a in ITEMS))
+    key.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in ITEMS))
+    return dataset, key
+
+
+@pytest.fixture(scope="module")
+def sims(
+    files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ReplicaProcess]]:
+    key = ["--answer-key", str(files[1])]
+    args = {"right": key, "half": [*key, "--accuracy", "0.5"], "broken": [*key, "--error-rate", "1.0"]}
+    with sim_replicas(tmp_path_factory.mktemp("eval-sims"), args) as procs:
+        yield procs
+
+
+def runner(
+    listing: Listing, dataset: Path, *, max_items: int = 1000, request_timeout_s: float = 30.0
+) -> ReplicaEvalRunner:
+    return ReplicaEvalRunner(
+        listing,
+        dataset,
+        models={"p": "tiny"},
+        options={"scorer": "exact", "max_tokens": 8},
+        max_items=max_items,
+        request_timeout_s=request_timeout_s,
+    )
+
+
+async def test_each_group_is_scored_on_its_own_replicas_only(
+    files: tuple[Path, Path], sims: dict[str, ReplicaProcess]
+) -> None:
+    listing = Listing(
+        ReplicaView("r", sims["right"].url, "p", group="stable"),
+        ReplicaView("h", sims["half"].url, "p", group="canary"),
+        # an unhealthy or draining replica of the group is not asked
+        ReplicaView("b", sims["broken"].url, "p", group="canary", healthy=False),
+        ReplicaView("b2", sims["broken"].url, "p", group="canary", draining=True),
+    )
+    evals = runner(listing, files[0])
+    assert await evals.score("p", "stable") == 1.0
+    report = await evals.report("p", "canary")
+    assert (report["n"], report["failed"], report["replica_group"]) == (20, 0, "canary")
+    assert 0.2 <= report["score"] <= 0.8 and report["ci95"][0] < report["score"] < report["ci95"][1]
+
+
+async def test_an_eval_that_cannot_run_raises_instead_of_scoring(
+    files: tuple[Path, Path], sims: dict[str, ReplicaProcess]
+) -> None:
+    listing = Listing(
+        ReplicaView("b", sims["broken"].url, "p", group="canary"),
+        ReplicaView("dead", f"http://127.0.0.1:{free_port()}", "p", group="gone"),
+    )
+    evals = runner(listing, files[0], request_timeout_s=2.0)
+    with pytest.raises(EvalError, match="20 of 20 items got no answer"):
+        await evals.score("p", "canary")  # every request answered 500
+    with pytest.raises(EvalError, match="no answer"):
+        await evals.score("p", "gone")  # connection refused
+    with pytest.raises(EvalError, match="no healthy replica"):
+        await evals.score("p", "nobody")
+    with pytest.raises(EvalError, match="no model"):
+        await evals.score("other-pool", "canary")
+
+
+def test_bad_datasets_and_options_are_refused_when_the_runner_is_made(
+    files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    listing = Listing()
+    with pytest.raises(ValueError, match="more than 5 items"):
+        runner(listing, files[0], max_items=5)
+    with pytest.raises(ValueError, match="max_items"):
+        runner(listing, files[0], max_items=10**6)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "no reference"}\n')
+    with pytest.raises(ValueError, match="reference"):
+        runner(listing, bad)
+    with pytest.raises(ValueError, match="judge"):
+        ReplicaEvalRunner(listing, files[0], models={}, options={"scorer": "judge", "judge_model": "tiny"})
+    with pytest.raises(ValueError, match="options"):
+        ReplicaEvalRunner(listing, files[0], models={}, options={"scorer": "psychic"})
+    with pytest.raises(ValueError, match="from score"):
+        ReplicaEvalRunner(listing, files[0], models={}, options={"replica_group": "canary"})
