@@ -15,6 +15,7 @@ Example::
 """
 
 from scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
+from scheduler.evals import EvalError, ReplicaEvalRunner
 from scheduler.gate import (
     BatchGate,
     GateController,
@@ -24,7 +25,6 @@ from scheduler.gate import (
     LaneController,
     Transition,
 )
-from scheduler.evals import EvalError, ReplicaEvalRunner
 from scheduler.gateway import GatewayAdmin, GatewayError
 from scheduler.health import CanaryGeneration, HealthEvent, HealthProber, Prober, ProbeResult
 from scheduler.metrics import SchedulerMetrics
