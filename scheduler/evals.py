@@ -1,5 +1,10 @@
 """Offline evals for the canary controller: the batch tier's ``eval`` job kind, run against one
-replica group.
+replica group, in one of two ways.
+
+:class:`JobEvalRunner` goes through the product: it uploads the eval set to the gateway
+(``POST /v1/files``), starts an ``eval`` job pinned to the pool and group (``POST /v1/jobs``,
+admin key), waits for it and reads its score. The groups must be in the fleet config the
+workers read (e.g. two Deployments listed there), and the batch tier must be running.
 
 :class:`ReplicaEvalRunner` runs :class:`~batch_jobs.jobs.offline_eval.OfflineEval` itself -- the
 same dataset format, request bodies, scorers and report as ``POST /v1/jobs {"kind": "eval"}`` --
@@ -15,6 +20,8 @@ then rolls back: an eval it could not run is not a pass).
 
 Example::
 
+    evals = JobEvalRunner("http://127.0.0.1:8000", admin_key=key, dataset=Path("evals/capitals.jsonl"),
+                          models={"interactive": "llama"}, options={"scorer": "exact"})
     evals = ReplicaEvalRunner(gateway_admin, Path("evals/capitals.jsonl"),
                               models={"interactive": "llama"}, options={"scorer": "exact"})
     ctl = CanaryController(gateway_admin, gateway_admin, pool="interactive", evals=evals,
@@ -25,11 +32,17 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import quote
+
+import aiohttp
 
 from batch_jobs.errors import InvalidRequest
 from batch_jobs.jobs.base import Answer, Finished, JobContext, Stage
@@ -38,11 +51,20 @@ from replicas.client import ReplicaClient
 from replicas.errors import ReplicaError
 from scheduler.signals import ReplicaView
 
-__all__ = ["EvalError", "ReplicaEvalRunner", "ReplicaListing"]
+__all__ = ["EvalError", "JobEvalRunner", "ReplicaEvalRunner", "ReplicaListing"]
 
 log = logging.getLogger(__name__)
 
 MAX_ITEMS = 10_000  # the largest eval set a runner accepts, whatever it is given
+MAX_DATASET_BYTES = 64 * 1024 * 1024
+_MAX_ANSWER = 1024 * 1024  # a jobs API answer larger than this is refused
+
+
+def _check_answered(result: Mapping[str, Any], max_failed_fraction: float, what: str) -> None:
+    """An eval where too many items got no answer has no score worth comparing."""
+    n, failed = int(result["n"]), int(result["failed"])
+    if result.get("score") is None or failed > max_failed_fraction * n:
+        raise EvalError(f"{what}: {failed} of {n} items got no answer")
 
 
 class ReplicaListing(Protocol):
@@ -162,9 +184,7 @@ class ReplicaEvalRunner:
         finally:
             await asyncio.gather(*(c.aclose() for c in clients.values()))
         result = step.result
-        n, failed = int(result["n"]), int(result["failed"])
-        if result["score"] is None or failed > self.max_failed_fraction * n:
-            raise EvalError(f"eval of {pool}/{group}: {failed} of {n} items got no answer")
+        _check_answered(result, self.max_failed_fraction, f"eval of {pool}/{group}")
         log.info(
             "eval %s/%s: score %.4f (%d of %d, %d failed) on %d replica(s)",
             pool,
@@ -172,7 +192,7 @@ class ReplicaEvalRunner:
             result["score"],
             result["correct"],
             result["scored"],
-            failed,
+            result["failed"],
             len(replicas),
         )
         return result
@@ -198,3 +218,126 @@ class ReplicaEvalRunner:
 
         answers = await asyncio.gather(*(one(line, next(turn)) for line in stage.lines))
         return {a.custom_id: a for a in answers}
+
+
+class JobEvalRunner:
+    """The eval as a job of the batch tier, through the gateway's jobs API (see the module docstring).
+
+    **Parameters:** ``gateway_url`` -- the gateway (http/https) the scheduler was configured with;
+    ``admin_key`` -- only admins may pin a job to a pool or group; ``dataset`` -- the eval set
+    (uploaded once, with purpose ``evals``); ``models`` -- the served model name per pool;
+    ``options`` -- the job's options besides ``pool`` and ``replica_group``; ``poll_s`` -- how
+    often the job is read; ``timeout_s`` -- a job still running then is cancelled and the eval
+    fails; ``max_failed_fraction`` -- as for :class:`ReplicaEvalRunner`.
+    """
+
+    def __init__(
+        self,
+        gateway_url: str,
+        *,
+        admin_key: str,
+        dataset: Path,
+        models: Mapping[str, str],
+        options: Mapping[str, Any] | None = None,
+        poll_s: float = 2.0,
+        timeout_s: float = 3600.0,
+        call_timeout_s: float = 30.0,
+        max_failed_fraction: float = 0.5,
+    ) -> None:
+        if not gateway_url.startswith(("http://", "https://")):
+            raise ValueError(f"gateway URL must be http(s)://..., got {gateway_url!r}")
+        if poll_s <= 0 or timeout_s <= 0 or call_timeout_s <= 0:
+            raise ValueError("poll_s, timeout_s and call_timeout_s must be > 0")
+        self.base_url = gateway_url.rstrip("/")
+        self.dataset = Path(dataset)
+        if self.dataset.stat().st_size > MAX_DATASET_BYTES:
+            raise ValueError(f"eval dataset {self.dataset.name} is larger than {MAX_DATASET_BYTES} bytes")
+        self.models = dict(models)
+        self.options = dict(options or {})
+        if "pool" in self.options or "replica_group" in self.options:
+            raise ValueError("the pool and group come from score(pool, group), not from the options")
+        try:
+            OfflineEval().parse_options(self.options)  # refuse bad options now (the gateway checks again)
+        except InvalidRequest as exc:
+            raise ValueError(str(exc)) from None
+        self.poll_s = poll_s
+        self.timeout_s = timeout_s
+        self.max_failed_fraction = max_failed_fraction
+        self._headers = {"Authorization": f"Bearer {admin_key}"}
+        self._timeout = aiohttp.ClientTimeout(total=call_timeout_s)
+        self._file_id: str | None = None
+        self._upload_lock = asyncio.Lock()
+
+    async def _call(
+        self, session: aiohttp.ClientSession, method: str, path: str, **kw: Any
+    ) -> dict[str, Any]:
+        url = self.base_url + path
+        try:
+            async with session.request(method, url, headers=self._headers, **kw) as resp:
+                raw = await resp.content.read(_MAX_ANSWER + 1)
+                if len(raw) > _MAX_ANSWER:
+                    raise EvalError(f"{method} {path}: answer larger than {_MAX_ANSWER} bytes")
+                try:
+                    body = json.loads(raw) if raw else {}
+                except ValueError:
+                    body = {}
+                if resp.status >= 400:
+                    err = body.get("error") if isinstance(body, dict) else None
+                    msg = err.get("message") if isinstance(err, dict) else raw[:300].decode(errors="replace")
+                    raise EvalError(f"{method} {path}: HTTP {resp.status}: {msg}")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise EvalError(f"{method} {path}: {exc!r}") from exc
+        if not isinstance(body, dict):
+            raise EvalError(f"{method} {path}: expected a JSON object")
+        return body
+
+    async def _upload(self, session: aiohttp.ClientSession) -> str:
+        async with self._upload_lock:  # both groups' evals start together: upload once
+            if self._file_id is None:
+                form = aiohttp.FormData()
+                form.add_field("purpose", "evals")
+                form.add_field("file", self.dataset.read_bytes(), filename=self.dataset.name)
+                self._file_id = str((await self._call(session, "POST", "/v1/files", data=form))["id"])
+            return self._file_id
+
+    async def score(self, pool: str, group: str) -> float:
+        """The group's score: the share of scored items answered right, in [0, 1]."""
+        result = await self.report(pool, group)
+        return float(result["score"])
+
+    async def report(self, pool: str, group: str) -> dict[str, Any]:
+        """The finished job's ``result`` (``score``, ``ci95``, ``n``, ``failed``, ...)."""
+        model = self.models.get(pool)
+        if model is None:
+            raise EvalError(f"no model known for pool {pool!r}")
+        async with aiohttp.ClientSession(timeout=self._timeout) as session:
+            file_id = await self._upload(session)
+            body = {
+                "kind": "eval",
+                "input_file_id": file_id,
+                "model": model,
+                "options": {**self.options, "pool": pool, "replica_group": group},
+                "metadata": {"purpose": "canary", "pool": pool[:100], "group": group[:100]},
+            }
+            job = await self._call(session, "POST", "/v1/jobs", json=body)
+            path = f"/v1/jobs/{quote(str(job['id']), safe='')}"
+            deadline = time.monotonic() + self.timeout_s
+            try:
+                while job.get("status") == "in_progress":
+                    if time.monotonic() > deadline:
+                        raise EvalError(
+                            f"eval job {job['id']} of {pool}/{group} still running after {self.timeout_s:g} s"
+                        )
+                    await asyncio.sleep(self.poll_s)
+                    job = await self._call(session, "GET", path)
+            except BaseException:
+                if job.get("status") == "in_progress":  # do not leave it running for nobody
+                    with contextlib.suppress(EvalError):
+                        await self._call(session, "POST", path + "/cancel")
+                raise
+        result = job.get("result")
+        if job.get("status") != "completed" or not isinstance(result, dict):
+            raise EvalError(f"eval job {job['id']} of {pool}/{group} {job.get('status')}: {job.get('error')}")
+        _check_answered(result, self.max_failed_fraction, f"eval job {job['id']} of {pool}/{group}")
+        log.info("eval job %s of %s/%s: score %.4f", job["id"], pool, group, result["score"])
+        return result
