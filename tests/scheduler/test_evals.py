@@ -6,16 +6,27 @@ in-memory list of them (what ``GET /admin/replicas`` would answer).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from priority.queues import Topology, declare_topology
 from replicas.launcher import ReplicaProcess, free_port
 from replicas.words import COMMON_WORDS
-from scheduler.evals import EvalError, ReplicaEvalRunner
+from scheduler.evals import EvalError, JobEvalRunner, ReplicaEvalRunner
 from scheduler.signals import ReplicaView
+from tests.api.harness import ADMIN_KEY, run_gateway
+from tests.batch_tier import (
+    RABBIT_URL,
+    BatchTier,
+    postgres_database,
+    require_postgres,
+    require_rabbitmq,
+    tiny_fleet,
+)
 from tests.scheduler.processes import sim_replicas
 
 pytestmark = pytest.mark.anyio
@@ -116,3 +127,52 @@ def test_bad_datasets_and_options_are_refused_when_the_runner_is_made(
         ReplicaEvalRunner(listing, files[0], models={}, options={"scorer": "psychic"})
     with pytest.raises(ValueError, match="from score"):
         ReplicaEvalRunner(listing, files[0], models={}, options={"replica_group": "canary"})
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+async def test_the_eval_job_through_the_gateway_scores_each_group_as_the_direct_runner_does(
+    files: tuple[Path, Path], sims: dict[str, ReplicaProcess], tmp_path: Path
+) -> None:
+    require_rabbitmq()
+    require_postgres()
+    # Given a batch tier (gateway process, worker, RabbitMQ, PostgreSQL) whose batch pool holds a
+    # stable and a canary group
+    fleet = tiny_fleet([sims["right"].url])
+    fleet["pools"]["batch"]["replicas"] = [
+        {"name": "stable-0", "url": sims["right"].url, "group": "stable"},
+        {"name": "canary-0", "url": sims["half"].url, "group": "canary"},
+    ]
+    with postgres_database() as db:
+        tier = BatchTier(root=tmp_path, database_url=db, fleet=fleet)
+        tier.write_fleet()
+        declare_topology(RABBIT_URL, Topology(tier.namespace))
+        try:
+            tier.start_worker("reserved", concurrency=4)
+            with run_gateway(tmp_path, fleet, env=tier.env()) as gw:
+                jobs = JobEvalRunner(
+                    gw.url,
+                    admin_key=ADMIN_KEY,
+                    dataset=files[0],
+                    models={"batch": "tiny"},
+                    options={"scorer": "exact", "max_tokens": 8},
+                    poll_s=0.5,
+                    timeout_s=90,
+                )
+                # When both groups are evaluated as jobs pinned to them
+                stable, canary = await asyncio.gather(
+                    jobs.report("batch", "stable"), jobs.report("batch", "canary")
+                )
+        finally:
+            tier.close()
+    # Then each job ran on its group's replica only and scored as the direct runner does
+    direct = runner(
+        Listing(
+            ReplicaView("s", sims["right"].url, "p", group="stable"),
+            ReplicaView("c", sims["half"].url, "p", group="canary"),
+        ),
+        files[0],
+    )
+    assert (stable["replica_group"], stable["score"], stable["n"]) == ("stable", 1.0, 20)
+    assert canary["replica_group"] == "canary" and 0.2 <= canary["score"] <= 0.8
+    assert canary["score"] == await direct.score("p", "canary")
