@@ -15,7 +15,7 @@ Example::
 """
 
 from scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
-from scheduler.evals import EvalError, ReplicaEvalRunner
+from scheduler.evals import EvalError, JobEvalRunner, ReplicaEvalRunner
 from scheduler.gate import (
     BatchGate,
     GateController,
@@ -46,6 +46,7 @@ __all__ = [
     "GroupLoad",
     "HealthEvent",
     "HealthProber",
+    "JobEvalRunner",
     "LaneAck",
     "LaneController",
     "LoadReport",

@@ -17,12 +17,21 @@ from pathlib import Path
 
 import pytest
 
+from priority.queues import Topology, declare_topology
 from replicas.launcher import ReplicaProcess
 from replicas.words import COMMON_WORDS
-from scheduler.canary import CanaryController, CanarySpec, CanaryState
-from scheduler.evals import ReplicaEvalRunner
+from scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
+from scheduler.evals import JobEvalRunner, ReplicaEvalRunner
 from scheduler.gateway import GatewayAdmin
 from tests.api.harness import ADMIN_KEY, Gateway, fleet_dict, run_gateway
+from tests.batch_tier import (
+    RABBIT_URL,
+    BatchTier,
+    postgres_database,
+    require_postgres,
+    require_rabbitmq,
+    tiny_fleet,
+)
 from tests.scheduler.processes import Traffic, sim_replicas
 from tidal.clock import SystemClock
 
@@ -43,6 +52,7 @@ SPEC = CanarySpec(
     max_eval_drop=0.05,
     eval_timeout_s=20.0,
 )
+EVAL_OPTIONS = {"scorer": "exact", "max_tokens": 16}
 BUILDS = {
     "stable": [],
     "wrong": ["--accuracy", "0.3"],
@@ -78,15 +88,17 @@ def gateway(builds: dict[str, ReplicaProcess], tmp_path: Path) -> Iterator[Gatew
 
 
 async def _rollout(
-    gw: Gateway, canary: ReplicaProcess, dataset: Path
+    gw: Gateway, canary: ReplicaProcess | None, dataset: Path, evals: EvalRunner | None = None
 ) -> tuple[CanaryController, list[tuple[CanaryState, dict[str, float]]], Traffic, dict[str, float]]:
-    """Register the canary, run the controller to its end under traffic; returns the controller,
-    what a watcher saw every 0.2 s (state, weights), the traffic, and group requests at the end."""
+    """Register the canary (unless the fleet config lists it), run the controller to its end under
+    traffic with ``evals`` (default: the direct runner); returns the controller, what a watcher saw
+    every 0.2 s (state, weights), the traffic, and group requests at the end."""
     traffic = Traffic(gw, [p for p, _ in ITEMS])
     async with GatewayAdmin([gw.url], admin_key=ADMIN_KEY) as admin:
-        await admin.register("canary-0", canary.url, "interactive", group="canary", weight=0.0)
-        evals = ReplicaEvalRunner(
-            admin, dataset, models={"interactive": "tiny"}, options={"scorer": "exact", "max_tokens": 16}
+        if canary is not None:
+            await admin.register("canary-0", canary.url, "interactive", group="canary", weight=0.0)
+        evals = evals or ReplicaEvalRunner(
+            admin, dataset, models={"interactive": "tiny"}, options=EVAL_OPTIONS
         )
         ctl = CanaryController(
             admin, admin, pool="interactive", clock=SystemClock(), spec=SPEC, evals=evals, interval_s=0.25
@@ -106,7 +118,7 @@ async def _rollout(
             await asyncio.wait_for(ctl.run(), 30)
         finally:
             watcher.cancel()
-            await traffic.stop()
+            await traffic.aclose()
         groups = {name: g.requests for name, g in (await admin.load()).groups.items()}
     return ctl, seen, traffic, groups
 
@@ -185,3 +197,51 @@ async def test_a_good_build_is_promoted_and_stable_serves_until_then(
         f"\ncanary good: promoted after {took:.1f} s ({ctl.reason}); "
         f"user requests {traffic.ok} ok, {len(traffic.failed)} failed"
     )
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+async def test_the_eval_can_run_as_an_eval_job_of_the_batch_tier(
+    builds: dict[str, ReplicaProcess], eval_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    require_rabbitmq()
+    require_postgres()
+    # Given both builds in the fleet config (the canary at weight 0), which the batch tier's
+    # workers read too, and a gateway serving users and the jobs API
+    fleet = tiny_fleet([builds["stable"].url])
+    fleet["pools"]["interactive"]["replicas"] = [
+        {"name": "replica-0", "url": builds["stable"].url},
+        {"name": "canary-0", "url": builds["wrong"].url, "group": "canary", "weight": 0.0},
+    ]
+    fleet["features"]["default"] = {"class": "interactive", "context_cap": 4096}  # users' requests
+    with postgres_database() as db:
+        tier = BatchTier(root=tmp_path, database_url=db, fleet=fleet)
+        tier.write_fleet()
+        declare_topology(RABBIT_URL, Topology(tier.namespace))
+        try:
+            tier.start_worker("reserved", concurrency=4)
+            with run_gateway(tmp_path, fleet, env=tier.env()) as gw:
+                jobs = JobEvalRunner(
+                    gw.url,
+                    admin_key=ADMIN_KEY,
+                    dataset=eval_files[0],
+                    models={"interactive": "tiny"},
+                    options=EVAL_OPTIONS,
+                    poll_s=0.5,
+                    timeout_s=25,
+                )
+                # When the controller scores the groups with eval jobs
+                t0 = time.monotonic()
+                ctl, _, traffic, _ = await _rollout(gw, None, eval_files[0], evals=jobs)
+                took = time.monotonic() - t0
+                async with GatewayAdmin([gw.url], admin_key=ADMIN_KEY) as admin:
+                    views = await admin.replicas()
+                    weights = {v.name: v.weight for v in views if v.pool == "interactive"}
+        finally:
+            tier.close()
+    # Then the worse build is rolled back on the jobs' scores
+    assert ctl.state is CanaryState.ROLLED_BACK and ctl.reason.startswith("eval_score:"), ctl.reason
+    assert ctl.eval_scores is not None and ctl.eval_scores[0] == 1.0 and ctl.eval_scores[1] < 0.6
+    assert weights == {"replica-0": 1.0, "canary-0": 0.0}
+    assert traffic.failed == []
+    print(f"\ncanary wrong, eval as jobs: rolled back after {took:.1f} s ({ctl.reason})")
