@@ -60,6 +60,13 @@ MAX_DATASET_BYTES = 64 * 1024 * 1024
 _MAX_ANSWER = 1024 * 1024  # a jobs API answer larger than this is refused
 
 
+def _check_size(dataset: Path) -> Path:
+    size = dataset.stat().st_size
+    if size > MAX_DATASET_BYTES:
+        raise ValueError(f"eval dataset {dataset.name} has {size} bytes, more than {MAX_DATASET_BYTES}")
+    return dataset
+
+
 def _check_answered(result: Mapping[str, Any], max_failed_fraction: float, what: str) -> None:
     """An eval where too many items got no answer has no score worth comparing."""
     n, failed = int(result["n"]), int(result["failed"])
@@ -107,7 +114,7 @@ class ReplicaEvalRunner:
         if concurrency < 1 or request_timeout_s <= 0 or not 0.0 <= max_failed_fraction <= 1.0:
             raise ValueError("concurrency >= 1, request_timeout_s > 0 and max_failed_fraction in [0, 1]")
         self.registry = registry
-        self.dataset = Path(dataset)
+        self.dataset = _check_size(Path(dataset))
         self.models = dict(models)
         self.options = dict(options or {})
         if "pool" in self.options or "replica_group" in self.options:
@@ -246,12 +253,10 @@ class JobEvalRunner:
     ) -> None:
         if not gateway_url.startswith(("http://", "https://")):
             raise ValueError(f"gateway URL must be http(s)://..., got {gateway_url!r}")
-        if poll_s <= 0 or timeout_s <= 0 or call_timeout_s <= 0:
-            raise ValueError("poll_s, timeout_s and call_timeout_s must be > 0")
+        if poll_s <= 0 or timeout_s <= 0 or call_timeout_s <= 0 or not 0.0 <= max_failed_fraction <= 1.0:
+            raise ValueError("poll_s, timeout_s, call_timeout_s > 0 and max_failed_fraction in [0, 1]")
         self.base_url = gateway_url.rstrip("/")
-        self.dataset = Path(dataset)
-        if self.dataset.stat().st_size > MAX_DATASET_BYTES:
-            raise ValueError(f"eval dataset {self.dataset.name} is larger than {MAX_DATASET_BYTES} bytes")
+        self.dataset = _check_size(Path(dataset))
         self.models = dict(models)
         self.options = dict(options or {})
         if "pool" in self.options or "replica_group" in self.options:

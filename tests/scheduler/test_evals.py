@@ -127,6 +127,10 @@ def test_bad_datasets_and_options_are_refused_when_the_runner_is_made(
         ReplicaEvalRunner(listing, files[0], models={}, options={"scorer": "psychic"})
     with pytest.raises(ValueError, match="from score"):
         ReplicaEvalRunner(listing, files[0], models={}, options={"replica_group": "canary"})
+    with pytest.raises(ValueError, match="http"):
+        JobEvalRunner("file:///etc", admin_key="k", dataset=files[0], models={})
+    with pytest.raises(ValueError, match="options"):
+        JobEvalRunner("http://127.0.0.1:1", admin_key="k", dataset=files[0], models={}, options={"top_k": 3})
 
 
 @pytest.mark.rabbitmq
