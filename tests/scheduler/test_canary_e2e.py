@@ -55,6 +55,7 @@ SPEC = CanarySpec(
 EVAL_OPTIONS = {"scorer": "exact", "max_tokens": 16}
 BUILDS = {
     "stable": [],
+    "stable-b": [],
     "wrong": ["--accuracy", "0.3"],
     "failing": ["--error-rate", "0.2"],
     "good": [],
@@ -82,8 +83,9 @@ def builds(
 
 @pytest.fixture
 def gateway(builds: dict[str, ReplicaProcess], tmp_path: Path) -> Iterator[Gateway]:
-    # The stable build is in the fleet config (group "stable"); each test registers its canary.
-    with run_gateway(tmp_path, fleet_dict([builds["stable"].url])) as gw:
+    # Two replicas of the stable build in the fleet config (replica-0 and replica-1, group
+    # "stable"); each test registers its canary, one replica.
+    with run_gateway(tmp_path, fleet_dict([builds["stable"].url, builds["stable-b"].url])) as gw:
         yield gw
 
 
@@ -151,7 +153,7 @@ async def test_a_worse_build_is_rolled_back_automatically(
     # with the weights of a rollback: canary 0, stable restored
     async with GatewayAdmin([gateway.url], admin_key=ADMIN_KEY) as admin:
         weights = {v.name: v.weight for v in await admin.replicas()}
-    assert weights == {"replica-0": 1.0, "canary-0": 0.0}
+    assert weights == {"replica-0": 1.0, "replica-1": 1.0, "canary-0": 0.0}
     # and users never saw an error: a canary failure before the first token is retried on stable
     assert traffic.failed == [], traffic.failed[:3]
     # And afterwards no request reaches the canary
@@ -179,14 +181,17 @@ async def test_a_good_build_is_promoted_and_stable_serves_until_then(
     assert took >= SPEC.step_s * len(SPEC.steps)  # every step was held
     # The stable replica was up and had weight in every sample taken before the promotion
     before = [w for state, w in seen if state is not CanaryState.PROMOTED]
-    assert before and all(w["replica-0"] > 0 for w in before), before
-    shares = sorted({round(w["canary-0"] / (w["canary-0"] + w["replica-0"]), 2) for w in before})
+    assert before and all(w["replica-0"] > 0 and w["replica-1"] > 0 for w in before), before
+    # and the canary's share of the weight went through the steps (2 stable replicas, 1 canary)
+    shares = sorted(
+        {round(w["canary-0"] / (w["canary-0"] + w["replica-0"] + w["replica-1"]), 2) for w in before}
+    )
     assert set(shares) >= {0.25, 0.5}, shares
     assert groups["stable"] > 0 and groups["canary"] > 0
     # After it: canary weight 1, stable 0, and all new traffic goes to the canary
     async with GatewayAdmin([gateway.url], admin_key=ADMIN_KEY) as admin:
         weights = {v.name: v.weight for v in await admin.replicas()}
-    assert weights == {"replica-0": 0.0, "canary-0": 1.0}
+    assert weights == {"replica-0": 0.0, "replica-1": 0.0, "canary-0": 1.0}
     assert traffic.failed == [], traffic.failed[:3]
     after = Traffic(gateway, [p for p, _ in ITEMS])
     await after.send(40)
