@@ -16,7 +16,8 @@ registry, :class:`~scheduler.gateway.GatewayAdmin`) and an injected clock:
   ``kubernetes`` block, ``local`` (start ``tidal sim``/vLLM processes like the pool's replica
   with a ``launch`` block) when it has one, else ``gauge`` (only the
   ``tidal_autoscaler_desired_replicas{pool}`` gauge, for KEDA); ``SchedulerOptions.actuator``
-  forces one;
+  forces one; what each pool's hour-of-week profile learned is saved under the data dir
+  (``scheduler/autoscaler-profiles.json``) every few minutes and at stop, and read at start;
 * **canary** -- a :class:`~scheduler.canary.CanaryController` per pool whose replicas include a
   group other than the baseline (``stable``), with the pool's optional ``canary`` section; without
   an :class:`~scheduler.canary.EvalRunner` the rollout is judged on error rates alone.
@@ -38,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +85,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ActuatorKind = Literal["auto", "gauge", "local", "kubernetes"]
+_MAX_PROFILES_BYTES = 16 * 1024 * 1024
 
 
 class SchedulerSetupError(ValueError):
@@ -109,6 +113,7 @@ class SchedulerOptions:
     local_log_dir: Path = field(default_factory=lambda: Path(".tidal/logs/autoscaler"))
     pause_on_stop: bool = True
     stop_timeout_s: float = 10.0
+    profile_save_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.probe_timeout_s <= 0 or self.probe_period_s <= 0:
@@ -235,7 +240,10 @@ class SchedulerService:
         scaled = [p for p in fleet.pools.values() if p.autoscale is not None] if opts.autoscale else []
         self.actuators: dict[str, Actuator] = self._actuators(scaled, dict(actuators or {}))
         self.autoscaler_loop: AutoscalerLoop | None = None
+        self.profiles_path = settings.data_dir / "scheduler" / "autoscaler-profiles.json"
+        self.profiles: dict[str, HourOfWeekProfile] = {}
         if scaled:
+            learned = self._load_profiles()
             capacity = StaticCapacity.from_fleet(fleet)
             scalers = []
             for p in scaled:
@@ -245,6 +253,7 @@ class SchedulerService:
                 except ValueError as exc:
                     raise SchedulerSetupError(f"pools.{p.name}.autoscale: {exc}") from None
                 calendar = EventCalendar(ScheduledEvent.from_spec(e) for e in p.autoscale.events)
+                self.profiles[p.name] = learned.get(p.name) or HourOfWeekProfile()
                 scalers.append(
                     Autoscaler(
                         p.name,
@@ -253,7 +262,7 @@ class SchedulerService:
                         capacity=capacity,
                         actuator=self.actuators[p.name],
                         clock=clock,
-                        forecaster=Forecaster(HourOfWeekProfile(), calendar),
+                        forecaster=Forecaster(self.profiles[p.name], calendar),
                         metrics=self.metrics,
                         lent_to_batch=self._lent_to_batch,
                     )
@@ -370,6 +379,43 @@ class SchedulerService:
     def _lent_to_batch(self, pool: str) -> bool:
         return any(g.pool == pool and g.state is GateState.OPEN for g in self.gates)
 
+    def _load_profiles(self) -> dict[str, HourOfWeekProfile]:
+        path = self.profiles_path
+        try:
+            if not path.exists():
+                return {}
+            if path.stat().st_size > _MAX_PROFILES_BYTES:
+                raise ValueError(f"larger than {_MAX_PROFILES_BYTES} bytes")
+            data = json.loads(path.read_text())
+            pools = data["pools"]
+            if not isinstance(pools, dict):
+                raise ValueError("'pools' must be an object")
+            profiles = {str(k): HourOfWeekProfile.from_json(v) for k, v in pools.items()}
+        except Exception as exc:  # a damaged file costs the history, never the start
+            log.warning("autoscaler: ignoring the saved profiles in %s: %s", path, exc)
+            return {}
+        log.info(
+            "autoscaler: read the learned load profiles of %s from %s", ", ".join(sorted(profiles)), path
+        )
+        return profiles
+
+    def save_profiles(self) -> None:
+        """Write what the autoscalers learned (atomically: a crash mid-write keeps the old file)."""
+        if not self.profiles:
+            return
+        self.profiles_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.profiles_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pools": {k: v.to_json() for k, v in self.profiles.items()}}))
+        os.replace(tmp, self.profiles_path)
+
+    async def _save_profiles_every(self, period_s: float) -> None:
+        while True:
+            await self.clock.sleep(period_s)
+            try:
+                await asyncio.to_thread(self.save_profiles)
+            except OSError as exc:
+                log.warning("autoscaler: cannot save the learned profiles: %s", exc)
+
     def describe(self) -> list[str]:
         """One line per loop: what runs on which pools (printed at start)."""
         lines: list[str] = []
@@ -425,6 +471,9 @@ class SchedulerService:
             loops.append(asyncio.create_task(self.prober.run(stop), name="health"))
         if self.autoscaler_loop is not None:
             loops.append(asyncio.create_task(self.autoscaler_loop.run(stop), name="autoscaler"))
+            loops.append(
+                asyncio.create_task(self._save_profiles_every(self.options.profile_save_s), name="profiles")
+            )
         canaries = [
             asyncio.create_task(self._canary(pool, ctl, stop), name=f"canary-{pool}")
             for pool, ctl in self.canaries.items()
@@ -459,6 +508,10 @@ class SchedulerService:
             return
 
     async def _stop_cleanly(self) -> None:
+        try:
+            self.save_profiles()
+        except OSError as exc:
+            log.warning("autoscaler: cannot save the learned profiles: %s", exc)
         if self.options.pause_on_stop and self.lane is not None:
             for g in self.gates:
                 try:

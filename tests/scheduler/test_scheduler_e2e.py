@@ -38,7 +38,7 @@ from tests.batch_tier import (
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.vllm]
 
 CAP = 2  # interactive requests the gateway keeps in flight on the replica
-LINES = 800
+LINES = 600
 
 
 def _fleet(url: str) -> dict[str, Any]:
@@ -149,7 +149,7 @@ def test_the_gate_pauses_batch_for_an_interactive_burst_and_the_batch_completes_
         assert "gate interactive -> open (calm)" in log.read_text()
         # And a batch running on the shared replica
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key=DEV_KEY, max_retries=0)
-        f = client.files.create(file=("in.jsonl", chat_lines(LINES, max_tokens=32)), purpose="batch")
+        f = client.files.create(file=("in.jsonl", chat_lines(LINES, max_tokens=16)), purpose="batch")
         batch = client.batches.create(
             input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
         )

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -111,14 +113,16 @@ class FakeLane:
         return LaneAck(True, "resumed")
 
 
-def settings() -> Settings:
-    return Settings(_env_file=None, environment="test")  # type: ignore[call-arg]
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TIDAL_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
 
 
 def service(f: FleetConfig, gw: FakeGateway, clock: ManualClock, **opts: Any) -> SchedulerService:
     return SchedulerService(
         f,
-        settings(),
+        Settings(_env_file=None, environment="test"),  # type: ignore[call-arg]
         gateway=gw,
         clock=clock,
         options=SchedulerOptions(**opts),
@@ -245,3 +249,22 @@ async def test_the_service_runs_every_loop_and_pauses_the_lane_when_it_stops() -
         await asyncio.wait_for(task, 10)
     # When it stops, the lane is left paused for the next scheduler
     assert lane.calls[-1] == ("pause", "interactive", "scheduler_stopped")
+    # And what the autoscaler learned is saved for the next one
+    assert s.profiles_path.exists()
+    assert set(json.loads(s.profiles_path.read_text())["pools"]) == {"batch"}
+
+
+def test_learned_load_profiles_survive_a_restart_and_a_damaged_file_is_ignored(data_dir: Path) -> None:
+    week = [(1_700_000_000.0 + i * 60.0, 5.0 + (i // 60) % 24) for i in range(7 * 24 * 60 + 120)]
+    first = service(fleet(), FakeGateway([]), ManualClock())
+    first.profiles["batch"].fit(week)
+    first.save_profiles()
+    # When the scheduler restarts, it forecasts from what it had learned
+    again = service(fleet(), FakeGateway([]), ManualClock())
+    t = 1_700_000_000.0 + 7 * 24 * 3600.0 + 5 * 3600.0
+    assert again.profiles["batch"].predict(t) == first.profiles["batch"].predict(t) is not None
+    assert again.profiles["spot"].trained_hours == 0
+    # A damaged file costs the history, not the start
+    again.profiles_path.write_text("{not json")
+    fresh = service(fleet(), FakeGateway([]), ManualClock())
+    assert fresh.profiles["batch"].trained_hours == 0
