@@ -138,6 +138,7 @@ def test_the_gate_pauses_batch_for_an_interactive_burst_and_the_batch_completes_
     shared_queue = Topology(tier.namespace).queue("shared")
     control = control_app(tier.settings())
     with (
+        contextlib.closing(control),
         run_gateway(tier.root, tier.fleet, env=tier.env()) as gw,
         _scheduler(tier, gw.url) as sched,
     ):
@@ -192,8 +193,8 @@ def test_the_gate_pauses_batch_for_an_interactive_burst_and_the_batch_completes_
         wait_for(lambda: _metric(replica, "vllm:num_requests_running") == 0, 5, "the replica to drain")
         frozen = done()
         time.sleep(1.0)
-        if _metric(sched.url, "tidal_gate_paused", pool="interactive") == 1:
-            assert done() == frozen < LINES
+        assert _metric(sched.url, "tidal_gate_paused", pool="interactive") == 1  # hold >= 3 s after calm
+        assert done() == frozen < LINES
         # When the pool stays calm for the hold time, the gate reopens and the batch completes
         wait_for(
             lambda: _metric(sched.url, "tidal_gate_paused", pool="interactive") == 0, 30, "the gate to reopen"
@@ -213,7 +214,6 @@ def test_the_gate_pauses_batch_for_an_interactive_burst_and_the_batch_completes_
         assert sorted(o["custom_id"] for o in out) == sorted(f"r{i}" for i in range(LINES))
         assert final.request_counts.completed == LINES
         print(f"gate closed {closed_after:.2f} s after the burst started")
-    control.close()
     assert worker.proc.poll() is None
     # And the scheduler stopped cleanly on SIGTERM
     assert "scheduler stopped" in log.read_text(), log.read_text()[-2000:]
