@@ -20,7 +20,10 @@ registry, :class:`~scheduler.gateway.GatewayAdmin`) and an injected clock:
   (``scheduler/autoscaler-profiles.json``) every few minutes and at stop, and read at start;
 * **canary** -- a :class:`~scheduler.canary.CanaryController` per pool whose replicas include a
   group other than the baseline (``stable``), with the pool's optional ``canary`` section; without
-  an :class:`~scheduler.canary.EvalRunner` the rollout is judged on error rates alone.
+  an :class:`~scheduler.canary.EvalRunner` the rollout is judged on error rates alone. A finished
+  rollout is recorded under the data dir (``scheduler/canary-outcomes.json``, per pool and group),
+  so a restarted scheduler neither re-ramps a rolled-back build nor demotes a promoted one; a new
+  group name (or removing the record) starts a new rollout.
 
 Every loop shares one :class:`~scheduler.metrics.SchedulerMetrics` (``serve_metrics`` exposes it).
 On stop the shared lane is paused (a scheduler that no longer watches users must not leave their
@@ -290,11 +293,16 @@ class SchedulerService:
             )
 
         self.canaries: dict[str, CanaryController] = {}
+        self.outcomes_path = settings.data_dir / "scheduler" / "canary-outcomes.json"
+        self.canary_outcomes: dict[str, dict[str, str]] = self._load_outcomes() if opts.canary else {}
         if opts.canary:
             for p in fleet.pools.values():
                 group = p.canary_group
                 if group is None:
                     continue
+                done = self.canary_outcomes.get(p.name)
+                if done is not None and done.get("group") == group:
+                    continue  # this group's rollout already ended (see describe())
                 c = p.canary
                 spec = (
                     CanarySpec(
@@ -453,6 +461,17 @@ class SchedulerService:
                     for pool, c in sorted(self.canaries.items())
                 )
             )
+        for pool, done in sorted(self.canary_outcomes.items()):
+            pool_spec = self.fleet.pools.get(pool)
+            if (
+                pool not in self.canaries
+                and pool_spec is not None
+                and pool_spec.canary_group == done.get("group")
+            ):
+                lines.append(
+                    f"canary: {pool} group {done.get('group')} already {done.get('outcome')} "
+                    f"({done.get('reason', '')}); recorded in {self.outcomes_path}"
+                )
         return lines
 
     # -- running ---------------------------------------------------------------------------------
@@ -505,7 +524,37 @@ class SchedulerService:
                 continue
             if state in (CanaryState.PROMOTED, CanaryState.ROLLED_BACK):
                 log.info("canary %s: %s (%s)", pool, state.value, ctl.reason)
+                self.canary_outcomes[pool] = {
+                    "group": ctl.spec.canary_group,
+                    "outcome": state.value,
+                    "reason": ctl.reason[:1000],
+                }
+                try:
+                    await asyncio.to_thread(self._save_outcomes)
+                except OSError as exc:
+                    log.warning("canary %s: cannot record the outcome: %s", pool, exc)
             return
+
+    def _load_outcomes(self) -> dict[str, dict[str, str]]:
+        path = self.outcomes_path
+        try:
+            if not path.exists():
+                return {}
+            if path.stat().st_size > _MAX_PROFILES_BYTES:
+                raise ValueError(f"larger than {_MAX_PROFILES_BYTES} bytes")
+            pools = json.loads(path.read_text())["pools"]
+            if not isinstance(pools, dict):
+                raise ValueError("'pools' must be an object")
+            return {str(k): {str(a): str(b) for a, b in v.items()} for k, v in pools.items()}
+        except Exception as exc:  # unreadable: every configured canary rolls out again
+            log.warning("canary: ignoring the recorded outcomes in %s: %s", path, exc)
+            return {}
+
+    def _save_outcomes(self) -> None:
+        self.outcomes_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.outcomes_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pools": self.canary_outcomes}, indent=1))
+        os.replace(tmp, self.outcomes_path)
 
     async def _stop_cleanly(self) -> None:
         try:

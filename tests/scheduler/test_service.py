@@ -20,7 +20,7 @@ from scheduler.service import (
     SchedulerSetupError,
     actuator_kind,
 )
-from scheduler.signals import LoadReport, PoolLoad, ReplicaView
+from scheduler.signals import GroupLoad, LoadReport, PoolLoad, ReplicaView
 from tidal.clock import ManualClock
 from tidal.fleet import FleetConfig, parse_fleet
 from tidal.settings import Settings
@@ -268,3 +268,47 @@ def test_learned_load_profiles_survive_a_restart_and_a_damaged_file_is_ignored(d
     again.profiles_path.write_text("{not json")
     fresh = service(fleet(), FakeGateway([]), ManualClock())
     assert fresh.profiles["batch"].trained_hours == 0
+
+
+async def test_a_finished_rollout_is_recorded_and_not_repeated_by_the_next_scheduler() -> None:
+    clock = ManualClock()
+    gw = FakeGateway(
+        [
+            ReplicaView("i0", "http://127.0.0.1:9001", "interactive"),
+            ReplicaView("i1", "http://127.0.0.1:9002", "interactive", group="next", weight=0.0),
+        ]
+    )
+    gw.report = LoadReport(
+        time=1_700_000_000.0,
+        pools={"interactive": PoolLoad()},
+        groups={"next": GroupLoad(), "stable": GroupLoad(requests=100)},
+    )
+    s = service(fleet(), gw, clock, gate=False, health=False, autoscale=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(s.run(stop))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    # The canary got its first share (10%) by weight
+    assert ("i1", {"weight": pytest.approx(1 / 9)}) in gw.updates
+    # When the new build fails far more often than the baseline
+    gw.report = LoadReport(
+        time=1_700_000_005.0,
+        pools={"interactive": PoolLoad()},
+        groups={"next": GroupLoad(requests=60, errors=30), "stable": GroupLoad(requests=640, errors=1)},
+    )
+    await clock.advance_and_settle(5.0, 1.0)
+    # Then it is rolled back (weight 0) and the outcome recorded
+    assert gw.updates[-2:] == [("i0", {"weight": 1.0}), ("i1", {"weight": 0.0})]
+    for _ in range(50):
+        if s.outcomes_path.exists():
+            break
+        await asyncio.sleep(0.02)
+    recorded = json.loads(s.outcomes_path.read_text())["pools"]["interactive"]
+    assert (recorded["group"], recorded["outcome"]) == ("next", "rolled_back")
+    assert recorded["reason"].startswith("error_rate")
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    # And a restarted scheduler leaves the rolled-back group alone, saying so
+    again = service(fleet(), gw, clock, gate=False, health=False, autoscale=False)
+    assert again.canaries == {}
+    assert any("interactive group next already rolled_back" in line for line in again.describe())
