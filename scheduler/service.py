@@ -223,6 +223,18 @@ class SchedulerService:
         self._closers: list[Any] = []  # objects this service created and must close
         self._metrics_server: Any = None
 
+        # Everything that can be wrong in the config is checked before anything is started.
+        scaled = [p for p in fleet.pools.values() if p.autoscale is not None] if opts.autoscale else []
+        policies = {}
+        for p in scaled:
+            assert p.autoscale is not None
+            try:
+                policies[p.name] = make_policy(p.autoscale.policy, p.autoscale.parameters)
+            except ValueError as exc:
+                raise SchedulerSetupError(f"pools.{p.name}.autoscale: {exc}") from None
+            if p.name not in (actuators or {}):
+                actuator_kind(p, opts.actuator)
+
         shared = [p for p in fleet.pools.values() if p.shared]
         self.gates = (
             [
@@ -240,7 +252,6 @@ class SchedulerService:
                 self.gates, source=gateway, lane=self.lane, clock=clock, metrics=self.metrics
             )
 
-        scaled = [p for p in fleet.pools.values() if p.autoscale is not None] if opts.autoscale else []
         self.actuators: dict[str, Actuator] = self._actuators(scaled, dict(actuators or {}))
         self.autoscaler_loop: AutoscalerLoop | None = None
         self.profiles_path = settings.data_dir / "scheduler" / "autoscaler-profiles.json"
@@ -251,17 +262,13 @@ class SchedulerService:
             scalers = []
             for p in scaled:
                 assert p.autoscale is not None
-                try:
-                    policy = make_policy(p.autoscale.policy, p.autoscale.parameters)
-                except ValueError as exc:
-                    raise SchedulerSetupError(f"pools.{p.name}.autoscale: {exc}") from None
                 calendar = EventCalendar(ScheduledEvent.from_spec(e) for e in p.autoscale.events)
                 self.profiles[p.name] = learned.get(p.name) or HourOfWeekProfile()
                 scalers.append(
                     Autoscaler(
                         p.name,
                         p.autoscale,
-                        policy,
+                        policies[p.name],
                         capacity=capacity,
                         actuator=self.actuators[p.name],
                         clock=clock,
