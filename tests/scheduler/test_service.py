@@ -312,3 +312,25 @@ async def test_a_finished_rollout_is_recorded_and_not_repeated_by_the_next_sched
     again = service(fleet(), gw, clock, gate=False, health=False, autoscale=False)
     assert again.canaries == {}
     assert any("interactive group next already rolled_back" in line for line in again.describe())
+
+
+async def test_the_probe_generates_one_token_or_embeds_one_word_by_the_pool_model(tmp_path: Path) -> None:
+    from replicas.launcher import sim_process
+    from scheduler.health import CanaryGeneration
+
+    chat = sim_process("fast-test", args=["--served-model-name", "m"], log_path=tmp_path / "chat.log")
+    embed = sim_process("e5-mistral-7b-h100", args=["--served-model-name", "e"], log_path=tmp_path / "e5.log")
+    for p in (chat, embed):
+        p.start()
+    probes = CanaryGeneration({"interactive": "m", "embed": "e", "wrong": "e"}, embedding_pools={"embed"})
+    try:
+        await asyncio.gather(*(asyncio.to_thread(p.wait_ready, 60) for p in (chat, embed)))
+        assert (await probes.probe(ReplicaView("c", chat.url, "interactive"))).ok
+        assert (await probes.probe(ReplicaView("e", embed.url, "embed"))).ok
+        # An embedding model cannot generate: probing it with a completion would take it out of routing
+        bad = await probes.probe(ReplicaView("e", embed.url, "wrong"))
+        assert not bad.ok and bad.error
+    finally:
+        await probes.aclose()
+        for p in (chat, embed):
+            p.stop()
