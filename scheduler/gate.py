@@ -238,6 +238,7 @@ class GateController:
         self.applied: dict[str, GateState | None] = dict.fromkeys(self.gates)
         self._next_try: dict[str, float] = {p: -float("inf") for p in self.gates}
         self._backoff: dict[str, float] = dict.fromkeys(self.gates, 0.0)
+        self._source_failing = False
         for g in gates:
             self.metrics.gate_paused.labels(g.pool).set(1.0 if g.state is GateState.PAUSED else 0.0)
 
@@ -249,8 +250,16 @@ class GateController:
             report = await self.source.load()
         except Exception as exc:  # any failure of the source is "no sample", never a crash
             self.metrics.gate_signal_errors.inc()
-            log.warning("gate: cannot read load: %s", exc)
+            # Once per outage, not four times a second (tidal_gate_signal_errors_total counts them all).
+            log.log(
+                logging.DEBUG if self._source_failing else logging.WARNING, "gate: cannot read load: %s", exc
+            )
+            self._source_failing = True
             report = None
+        else:
+            if self._source_failing:
+                log.info("gate: load readable again")
+            self._source_failing = False
         transitions: list[Transition] = []
         for pool, gate in self.gates.items():
             sample = sample_of(report, pool) if report is not None else None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,7 +59,9 @@ class CanaryGeneration:
 
     **Parameters:** ``models`` -- the served model name per pool; ``timeout_s`` -- the whole
     generation must finish within it; ``priority`` -- vLLM request priority to send (only for
-    replicas started with ``--scheduling-policy priority``; ``None`` sends none).
+    replicas started with ``--scheduling-policy priority``; ``None`` sends none);
+    ``embedding_pools`` -- pools serving an embedding model, probed with a one-word
+    ``POST /v1/embeddings`` instead (they cannot generate).
     """
 
     def __init__(
@@ -69,8 +71,10 @@ class CanaryGeneration:
         timeout_s: float = 1.5,
         priority: int | None = None,
         api_key: str | None = None,
+        embedding_pools: Collection[str] = (),
     ) -> None:
         self.models = dict(models)
+        self.embedding_pools = frozenset(embedding_pools)
         self.timeout_s = timeout_s
         self.priority = priority
         self.api_key = api_key
@@ -92,20 +96,26 @@ class CanaryGeneration:
         model = self.models.get(replica.pool)
         if model is None:
             return ProbeResult(False, 0.0, f"no model known for pool {replica.pool}")
-        payload: dict[str, object] = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0.0}
+        embedding = replica.pool in self.embedding_pools
+        payload: dict[str, object] = (
+            {"model": model, "input": "ping"}
+            if embedding
+            else {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0.0}
+        )
         if self.priority is not None:
             payload["priority"] = self.priority
+        client = self._client(replica.url)
+        call = client.embeddings if embedding else client.completions
         t0 = time.perf_counter()
         try:
-            reply = await asyncio.wait_for(
-                self._client(replica.url).completions(payload, timeout=self.timeout_s), self.timeout_s
-            )
+            reply = await asyncio.wait_for(call(payload, timeout=self.timeout_s), self.timeout_s)
         except (ReplicaError, TimeoutError) as exc:
             return ProbeResult(False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
         latency = time.perf_counter() - t0
-        choices = reply.get("choices") if isinstance(reply, dict) else None
-        if not isinstance(choices, list) or not choices:
-            return ProbeResult(False, latency, "answer without choices")
+        key = "data" if embedding else "choices"
+        items = reply.get(key) if isinstance(reply, dict) else None
+        if not isinstance(items, list) or not items:
+            return ProbeResult(False, latency, f"answer without {key}")
         return ProbeResult(True, latency)
 
     async def forget(self, keep_urls: Sequence[str]) -> None:

@@ -86,5 +86,15 @@ def vllm_pair(vllm_factory: VLLMFactory) -> list:  # type: ignore[type-arg]
 
 
 @pytest.fixture(scope="session")
+def vllm_urls(request: pytest.FixtureRequest) -> list[str]:
+    """The URLs of ``vllm_pair``, or of replicas already running given by ``TIDAL_TEST_VLLM_URLS``
+    (comma-separated), for quick local iterations. Shared: never kill or pause them."""
+    given = os.environ.get("TIDAL_TEST_VLLM_URLS")
+    if given:
+        return [u.strip() for u in given.split(",") if u.strip()]
+    return [p.url for p in request.getfixturevalue("vllm_pair")]
+
+
+@pytest.fixture(scope="session")
 def vllm_replica(vllm_pair: list) -> object:  # type: ignore[type-arg]
     return vllm_pair[0]

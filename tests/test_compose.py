@@ -35,6 +35,10 @@ def test_compose_file_parses_and_has_the_production_shape() -> None:
     assert services["worker-spot"]["environment"]["TIDAL_ENVIRONMENT"] == "production"
     for name in ["gateway", "scheduler", "worker-reserved", "flower"]:
         assert services[name]["command"][0] in {"gateway", "scheduler", "worker", "flower"}
+    # The scheduler reaches the gateway's admin API and Prometheus reaches its metrics.
+    sched = services["scheduler"]["command"]
+    assert sched[sched.index("--gateway") + 1] == "http://gateway:8000"
+    assert sched[sched.index("--metrics-host") + 1] == "0.0.0.0"
 
 
 def test_compose_fleet_and_prometheus_config_are_valid() -> None:

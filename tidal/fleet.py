@@ -38,6 +38,7 @@ from pydantic import (
 __all__ = [
     "AdapterSpec",
     "AutoscalerSpec",
+    "CanaryRolloutSpec",
     "ClassSpec",
     "ExternalProviderSpec",
     "FeatureSpec",
@@ -188,6 +189,34 @@ class AutoscalerSpec(_Strict):
         return self
 
 
+class CanaryRolloutSpec(_Strict):
+    """How the scheduler rolls a pool's canary group forward (``tidal scheduler``).
+
+    The canary group gets ``steps`` shares of traffic in turn, each for at least ``step_s`` and
+    ``min_requests`` requests; it is rolled back when its error rate is significantly higher than
+    the baseline's by more than ``max_error_rate_increase``, or its eval score more than
+    ``max_eval_drop`` lower. ``group`` defaults to the pool's one replica group that is not
+    ``baseline_group``.
+    """
+
+    group: Name | None = None
+    baseline_group: Name = "stable"
+    steps: list[float] = Field(default_factory=lambda: [0.05, 0.25, 0.5], min_length=1, max_length=100)
+    step_s: float = Field(default=300.0, ge=0.0, le=7 * 24 * 3600.0)
+    min_requests: int = Field(default=100, ge=0, le=1_000_000_000)
+    max_error_rate_increase: float = Field(default=0.01, ge=0.0, le=1.0)
+    max_eval_drop: float = Field(default=0.02, ge=0.0, le=1.0)
+    interval_s: float = Field(default=5.0, gt=0.0, le=3600.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> CanaryRolloutSpec:
+        if any(not 0.0 < s < 1.0 for s in self.steps) or self.steps != sorted(set(self.steps)):
+            raise ValueError("steps must be increasing shares strictly between 0 and 1")
+        if self.group is not None and self.group == self.baseline_group:
+            raise ValueError("group must differ from baseline_group")
+        return self
+
+
 class PoolSpec(_Strict):
     """A group of replicas serving one model for one kind of work.
 
@@ -204,11 +233,33 @@ class PoolSpec(_Strict):
     min_inflight_per_replica: int = Field(default=4, ge=1, le=100_000)
     batch_concurrency_per_replica: int = Field(default=256, ge=1, le=100_000)
     autoscale: AutoscalerSpec | None = None
+    canary: CanaryRolloutSpec | None = None
 
     @model_validator(mode="after")
     def _check_caps(self) -> PoolSpec:
         if self.min_inflight_per_replica > self.max_inflight_per_replica:
             raise ValueError("min_inflight_per_replica must not exceed max_inflight_per_replica")
+        return self
+
+    @property
+    def canary_group(self) -> str | None:
+        """The replica group the scheduler rolls out, if the pool has one (see ``canary``)."""
+        if self.canary is not None and self.canary.group is not None:
+            return self.canary.group
+        baseline = self.canary.baseline_group if self.canary is not None else "stable"
+        others = sorted({r.group for r in self.replicas} - {baseline})
+        return others[0] if len(others) == 1 else None
+
+    @model_validator(mode="after")
+    def _check_canary(self) -> PoolSpec:
+        baseline = self.canary.baseline_group if self.canary is not None else "stable"
+        others = sorted({r.group for r in self.replicas} - {baseline})
+        named = self.canary.group if self.canary is not None else None
+        if len(others) > 1 and named is None:
+            raise ValueError(
+                f"replicas are in several groups besides '{baseline}' ({', '.join(others)}): "
+                "name the one to roll out in canary.group"
+            )
         return self
 
 

@@ -100,6 +100,31 @@ def test_minimal_fleet_gets_defaults() -> None:
             lambda d: d["pools"]["interactive"]["replicas"][0].update(launch={"kind": "sim"}),
             "pools.interactive.replicas[0].launch: a sim launch needs 'preset'",
         ),
+        (
+            lambda d: d["pools"]["interactive"].update(canary={"step": 60}),
+            "pools.interactive.canary.step: unknown key",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(canary={"steps": [0.5, 0.25]}),
+            "pools.interactive.canary: steps must be increasing shares strictly between 0 and 1",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(canary={"steps": [0.5, 1.0]}),
+            "pools.interactive.canary: steps must be increasing shares strictly between 0 and 1",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(canary={"group": "stable"}),
+            "pools.interactive.canary: group must differ from baseline_group",
+        ),
+        (
+            lambda d: d["pools"]["interactive"]["replicas"].extend(
+                [
+                    {"name": "c1", "url": "http://h:2", "group": "b1"},
+                    {"name": "c2", "url": "http://h:3", "group": "b2"},
+                ]
+            ),
+            "pools.interactive: replicas are in several groups besides 'stable' (b1, b2): name the one",
+        ),
     ],
 )
 def test_bad_fleet_is_rejected_naming_the_key(mutate: Any, expected: str) -> None:
@@ -133,3 +158,14 @@ def test_api_keys_are_stored_hashed() -> None:
     assert stored.startswith("sha256:") and "secret-key" not in stored
     assert verify_api_key("secret-key", stored)
     assert not verify_api_key("other", stored)
+
+
+def test_a_pool_with_a_second_replica_group_has_a_canary_group() -> None:
+    data = minimal()
+    assert parse_fleet(data).pools["interactive"].canary_group is None
+    data["pools"]["interactive"]["replicas"].append({"name": "n0", "url": "http://h:2", "group": "next"})
+    assert parse_fleet(data).pools["interactive"].canary_group == "next"
+    data["pools"]["interactive"]["replicas"].append({"name": "n1", "url": "http://h:3", "group": "other"})
+    data["pools"]["interactive"]["canary"] = {"group": "other", "steps": [0.1], "step_s": 30}
+    pool = parse_fleet(data).pools["interactive"]
+    assert pool.canary_group == "other" and pool.canary is not None and pool.canary.steps == [0.1]

@@ -1,6 +1,6 @@
 """The contract of `tidal up` for the batch tier: its gateway serves Files and Batches with the key
-given by --api-key and runs a worker, so a batch submitted with the `openai` SDK completes with no
-further set-up."""
+given by --api-key and runs a worker and the scheduler, so a batch submitted with the `openai` SDK
+completes with no further set-up once the scheduler's batch gate has opened."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import yaml
@@ -39,7 +40,7 @@ def test_tidal_up_completes_a_batch_submitted_with_the_openai_sdk(
         },
     }
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet))
-    port, key = free_port(), f"up-test-{secrets.token_hex(8)}"
+    port, key, sched_port = free_port(), f"up-test-{secrets.token_hex(8)}", free_port()
     namespace = f"t{secrets.token_hex(5)}"
     # Its own queue names on the shared broker, whatever else runs `tidal up` here
     env = {**os.environ, "TIDAL_QUEUE_NAMESPACE": namespace}
@@ -54,6 +55,7 @@ def test_tidal_up_completes_a_batch_submitted_with_the_openai_sdk(
             "--api-key", key,
             "--data-dir", str(tmp_path / "data"),
             "--flower-port", str(free_port()),
+            "--scheduler-port", str(sched_port),
             "--ready-timeout", "120",
         ],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -62,6 +64,20 @@ def test_tidal_up_completes_a_batch_submitted_with_the_openai_sdk(
         out = tmp_path / "up.log"
         wait_for(lambda: "Ready." in out.read_text() or proc.poll() is not None, 180, "tidal up to be ready")
         assert proc.poll() is None, out.read_text()[-3000:]
+        # And the scheduler runs, saying where its metrics are
+        assert f"http://127.0.0.1:{sched_port}/metrics" in out.read_text()
+        sched_log = tmp_path / "data" / "logs" / "scheduler.log"
+        assert "batch gate on interactive" in sched_log.read_text()
+        # And its gate lends the shared pool to batch once the pool was calm for the hold time
+        wait_for(
+            lambda: (
+                'tidal_gate_paused{pool="interactive"} 0.0'
+                in httpx.get(f"http://127.0.0.1:{sched_port}/metrics", timeout=5).text
+            ),
+            30,
+            "the batch gate to open",
+        )
+        assert "gate interactive -> open (calm)" in sched_log.read_text()
         # When a batch is submitted with the SDK and the key given to tidal up
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
         f = client.files.create(file=("in.jsonl", chat_lines(300)), purpose="batch")
@@ -113,6 +129,9 @@ def test_tidal_up_completes_a_batch_submitted_with_the_openai_sdk(
         log.close()
         with contextlib.suppress(Exception):
             delete_topology(RABBIT_URL, Topology(namespace))
+    # And Ctrl-C stopped the scheduler cleanly
+    sched_log = tmp_path / "data" / "logs" / "scheduler.log"
+    assert "scheduler stopped" in sched_log.read_text(), sched_log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -76,11 +76,17 @@ def batch_broker_env(data_dir: Path) -> tuple[dict[str, str], str | None]:
 
 
 def plan_parts(
-    fleet_path: Path, *, port: int, api_key: str, data_dir: Path, admin_key: str | None = None
+    fleet_path: Path,
+    *,
+    port: int,
+    api_key: str,
+    data_dir: Path,
+    admin_key: str | None = None,
+    scheduler_port: int = 9100,
 ) -> list[Part]:
     """The processes ``tidal up`` runs for a fleet, in start order. The gateway and the scheduler
     share ``admin_key`` (``TIDAL_ADMIN_KEY``; generated when not given), which the scheduler uses
-    on the gateway's ``/admin`` API."""
+    on the gateway's ``/admin`` API; the scheduler serves its metrics on ``scheduler_port``."""
     from tidal.fleet import load_fleet
 
     fleet = load_fleet(fleet_path)
@@ -145,9 +151,19 @@ def plan_parts(
         Part(
             "scheduler",
             "scheduler",
-            ["--config", str(fleet_path), "--gateway", f"http://127.0.0.1:{port}"],
+            [
+                "--config",
+                str(fleet_path),
+                "--gateway",
+                f"http://127.0.0.1:{port}",
+                "--metrics-port",
+                str(scheduler_port),
+            ],
+            scheduler_port,
+            health_path="/metrics",
             env=admin_env,
-            describe="batch gate, autoscaler, health prober, canary",
+            describe=f"batch gate, health prober, autoscaler, canary; metrics at "
+            f"http://127.0.0.1:{scheduler_port}/metrics",
         )
     )
     parts.append(
@@ -197,6 +213,13 @@ def plan_parts(
     help="Port of Flower, the batch tier's UI.",
 )
 @click.option(
+    "--scheduler-port",
+    default=9100,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Port of the scheduler's Prometheus /metrics.",
+)
+@click.option(
     "--ready-timeout",
     default=240.0,
     show_default=True,
@@ -209,6 +232,7 @@ def up(
     config: Path | None,
     data_dir: Path,
     flower_port: int,
+    scheduler_port: int,
     ready_timeout: float,
 ) -> None:
     """Run the whole platform locally on embedded defaults: simulated replicas, gateway, batch
@@ -224,7 +248,14 @@ def up(
     admin_key = os.environ.get("TIDAL_ADMIN_KEY") or f"tidal-admin-{secrets.token_urlsafe(24)}"
     data_dir.mkdir(parents=True, exist_ok=True)
     logs = data_dir / "logs"
-    parts = plan_parts(fleet_path, port=port, api_key=key, data_dir=data_dir.resolve(), admin_key=admin_key)
+    parts = plan_parts(
+        fleet_path,
+        port=port,
+        api_key=key,
+        data_dir=data_dir.resolve(),
+        admin_key=admin_key,
+        scheduler_port=scheduler_port,
+    )
     broker_env, broker_note = batch_broker_env(data_dir.resolve())
     for part in parts:
         part.env.update(broker_env)

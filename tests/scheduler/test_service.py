@@ -1,0 +1,336 @@
+"""SchedulerService: which loops a fleet gets, with which actuators, and how they run together
+(fakes for the gateway and the lane, an injected clock)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replicas.launcher import free_port
+from scheduler.autoscaler import GaugeActuator, PoolReplicas
+from scheduler.gate import LaneAck
+from scheduler.service import (
+    PoolActuators,
+    SchedulerOptions,
+    SchedulerService,
+    SchedulerSetupError,
+    actuator_kind,
+)
+from scheduler.signals import GroupLoad, LoadReport, PoolLoad, ReplicaView
+from tidal.clock import ManualClock
+from tidal.fleet import FleetConfig, parse_fleet
+from tidal.settings import Settings
+
+pytestmark = pytest.mark.anyio
+
+
+def fleet_data() -> dict[str, Any]:
+    return {
+        "models": [{"name": "m"}, {"name": "e", "embedding": True}],
+        "pools": {
+            "interactive": {
+                "kind": "interactive",
+                "model": "m",
+                "shared": True,
+                "replicas": [
+                    {"name": "i0", "url": "http://127.0.0.1:9001"},
+                    {"name": "i1", "url": "http://127.0.0.1:9002", "group": "next", "weight": 0},
+                ],
+                "canary": {"steps": [0.1, 0.5], "step_s": 60, "min_requests": 10},
+            },
+            "batch": {
+                "kind": "batch",
+                "model": "m",
+                "replicas": [{"name": "b0", "url": "http://127.0.0.1:9003"}],
+                "autoscale": {"min_replicas": 1, "max_replicas": 20, "capacity_rps_per_replica": 1.0},
+            },
+            "spot": {
+                "kind": "spot",
+                "model": "m",
+                "replicas": [
+                    {
+                        "name": "s0",
+                        "url": "http://127.0.0.1:9004",
+                        "launch": {"kind": "sim", "preset": "fast-test"},
+                    }
+                ],
+                "autoscale": {"max_replicas": 4},
+            },
+            "embed": {"kind": "batch", "model": "e", "replicas": []},
+        },
+        "gate": {"hold_s": 2},
+    }
+
+
+def fleet(**changes: Any) -> FleetConfig:
+    data = fleet_data()
+    for pool, section in changes.items():
+        data["pools"][pool].update(section)
+    return parse_fleet(data)
+
+
+class FakeGateway:
+    """The admin API as the scheduler sees it: a load report and a replica registry."""
+
+    def __init__(self, replicas: list[ReplicaView]) -> None:
+        self.report = LoadReport(time=1_700_000_000.0, pools={"interactive": PoolLoad()})
+        self.views = {v.name: v for v in replicas}
+        self.updates: list[tuple[str, dict[str, Any]]] = []
+
+    async def load(self) -> LoadReport:
+        return self.report
+
+    async def replicas(self) -> list[ReplicaView]:
+        return list(self.views.values())
+
+    async def register(self, name: str, url: str, pool: str, **kw: Any) -> None:
+        self.views[name] = ReplicaView(name, url, pool)
+
+    async def update(self, name: str, **kw: Any) -> None:
+        self.updates.append((name, {k: v for k, v in kw.items() if v is not None}))
+        v = self.views[name]
+        if kw.get("healthy") is not None:
+            self.views[name] = ReplicaView(v.name, v.url, v.pool, v.group, v.weight, kw["healthy"])
+
+    async def deregister(self, name: str) -> None:
+        self.views.pop(name, None)
+
+
+class FakeLane:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+
+    async def pause(self, pool: str, reason: str) -> LaneAck:
+        self.calls.append(("pause", pool, reason))
+        return LaneAck(True, "paused")
+
+    async def resume(self, pool: str, reason: str) -> LaneAck:
+        self.calls.append(("resume", pool, reason))
+        return LaneAck(True, "resumed")
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TIDAL_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+def service(f: FleetConfig, gw: FakeGateway, clock: ManualClock, **opts: Any) -> SchedulerService:
+    return SchedulerService(
+        f,
+        Settings(_env_file=None, environment="test"),  # type: ignore[call-arg]
+        gateway=gw,
+        clock=clock,
+        options=SchedulerOptions(**opts),
+        lane=FakeLane(),
+    )
+
+
+def test_each_fleet_part_gets_its_loop_and_each_autoscaled_pool_its_actuator() -> None:
+    s = service(fleet(), FakeGateway([]), ManualClock())
+    # A gate for the shared pool only
+    assert [g.pool for g in s.gates] == ["interactive"]
+    assert s.gate_controller is not None and s.gates[0].spec.hold_s == 2
+    # Autoscalers for the pools with an autoscale section: gauge without launch, local with it
+    assert s.autoscaler_loop is not None
+    assert {sc.pool: sc.actuator.name for sc in s.autoscaler_loop.scalers} == {
+        "batch": "gauge",
+        "spot": "local",
+    }
+    # The prober replaces through the pools' actuators and probes embedding pools with embeddings
+    assert s.prober is not None and isinstance(s.prober.actuator, PoolActuators)
+    assert s._generation is not None and s._generation.embedding_pools == {"embed"}
+    # A canary controller for the pool with a second replica group, configured by its section
+    [(pool, ctl)] = s.canaries.items()
+    assert pool == "interactive"
+    assert (ctl.spec.canary_group, ctl.spec.steps, ctl.spec.step_s, ctl.spec.require_eval) == (
+        "next",
+        (0.1, 0.5),
+        60.0,
+        False,
+    )
+    text = "\n".join(s.describe())
+    assert "batch gate on interactive" in text and "spot (local actuator)" in text
+
+
+def test_switches_turn_loops_off() -> None:
+    s = service(
+        fleet(), FakeGateway([]), ManualClock(), gate=False, health=False, autoscale=False, canary=False
+    )
+    assert (s.gate_controller, s.prober, s.autoscaler_loop, s.canaries) == (None, None, None, {})
+    assert s.describe() == ["batch gate: off", "health: off", "autoscaler: off"]
+
+
+def test_actuator_choice_follows_the_pool_and_a_forced_one_must_fit() -> None:
+    f = fleet(batch={"autoscale": {"kubernetes": {"deployment": "vllm", "namespace": "llm"}}})
+    assert actuator_kind(f.pools["batch"]) == "kubernetes"
+    assert actuator_kind(f.pools["spot"]) == "local"
+    assert actuator_kind(f.pools["spot"], "gauge") == "gauge"
+    with pytest.raises(
+        SchedulerSetupError, match="pools.batch: the local actuator needs a replica with a launch"
+    ):
+        actuator_kind(fleet().pools["batch"], "local")
+    with pytest.raises(SchedulerSetupError, match="pools.spot.autoscale: the kubernetes actuator needs"):
+        actuator_kind(f.pools["spot"], "kubernetes")
+
+
+def test_a_bad_autoscaler_policy_fails_at_start_naming_the_pool() -> None:
+    f = fleet(batch={"autoscale": {"policy": "magic"}})
+    with pytest.raises(
+        SchedulerSetupError, match=r"pools.batch.autoscale: unknown autoscaler policy 'magic'"
+    ):
+        service(f, FakeGateway([]), ManualClock())
+    f = fleet(batch={"autoscale": {"parameters": {"lookahed_s": 3}}})
+    with pytest.raises(SchedulerSetupError, match="pools.batch.autoscale: .*lookahed_s"):
+        service(f, FakeGateway([]), ManualClock())
+
+
+def test_a_probe_timeout_must_be_shorter_than_the_period() -> None:
+    with pytest.raises(SchedulerSetupError, match="shorter than the probe period"):
+        SchedulerOptions(probe_period_s=1.0, probe_timeout_s=1.0)
+
+
+async def test_pool_actuators_send_each_pool_to_its_own_and_replace_only_what_they_manage() -> None:
+    a, b = GaugeActuator(), GaugeActuator()
+    both = PoolActuators({"x": a, "y": b})
+    await both.scale("x", 5)
+    assert await both.observe("x", PoolLoad(replicas_total=2, replicas_healthy=2)) == PoolReplicas(2, 3)
+    assert await both.observe("y", PoolLoad(replicas_total=2, replicas_healthy=2)) == PoolReplicas(2, 0)
+    assert await both.replace("z", "r") is False
+    with pytest.raises(KeyError):
+        await both.scale("z", 1)
+
+
+async def test_the_service_runs_every_loop_and_pauses_the_lane_when_it_stops() -> None:
+    clock = ManualClock()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: every probe fails at once
+    gw = FakeGateway([ReplicaView("i0", dead, "interactive")])
+    gw.report = LoadReport(
+        time=1_700_000_000.0, pools={"interactive": PoolLoad(), "batch": PoolLoad(requests_per_s=7.5)}
+    )
+    f = fleet(
+        spot={"autoscale": None},
+        interactive={"canary": None, "replicas": fleet_data()["pools"]["interactive"]["replicas"][:1]},
+    )
+    s = service(f, gw, clock, probe_period_s=1.0, probe_timeout_s=0.5)
+    lane = s.lane
+    assert isinstance(lane, FakeLane)
+    stop = asyncio.Event()
+    task = asyncio.create_task(s.run(stop))
+    try:
+        # The gate starts paused and tells the lane; calm for the hold time opens it
+        await clock.advance_and_settle(0.5, 0.25)
+        assert lane.calls[0][:2] == ("pause", "interactive")
+        await clock.advance_and_settle(2.5, 0.25)
+        assert lane.calls[-1] == ("resume", "interactive", "calm")
+        # Interactive pressure closes it again, counted by reason
+        gw.report = LoadReport(time=1_700_000_010.0, pools={"interactive": PoolLoad(queue_wait_p95_s=0.9)})
+        await clock.advance_and_settle(0.5, 0.25)
+        assert lane.calls[-1] == ("pause", "interactive", "queue_wait")
+        paused = s.metrics.registry.get_sample_value(
+            "tidal_gate_transitions_total", {"pool": "interactive", "to": "paused", "reason": "queue_wait"}
+        )
+        assert paused == 1.0
+        # The prober took the unreachable replica out of routing
+        for _ in range(50):
+            if ("i0", {"healthy": False}) in gw.updates:
+                break
+            await asyncio.sleep(0.02)
+        assert ("i0", {"healthy": False}) in gw.updates
+        # The autoscaler of the batch pool asked for the load's replicas plus the warm buffer
+        desired = s.metrics.registry.get_sample_value("tidal_autoscaler_desired_replicas", {"pool": "batch"})
+        assert desired == 9.0  # ceil(7.5 * 1.12 / 1.0)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    # When it stops, the lane is left paused for the next scheduler
+    assert lane.calls[-1] == ("pause", "interactive", "scheduler_stopped")
+    # And what the autoscaler learned is saved for the next one
+    assert s.profiles_path.exists()
+    assert set(json.loads(s.profiles_path.read_text())["pools"]) == {"batch"}
+
+
+def test_learned_load_profiles_survive_a_restart_and_a_damaged_file_is_ignored(data_dir: Path) -> None:
+    week = [(1_700_000_000.0 + i * 60.0, 5.0 + (i // 60) % 24) for i in range(7 * 24 * 60 + 120)]
+    first = service(fleet(), FakeGateway([]), ManualClock())
+    first.profiles["batch"].fit(week)
+    first.save_profiles()
+    # When the scheduler restarts, it forecasts from what it had learned
+    again = service(fleet(), FakeGateway([]), ManualClock())
+    t = 1_700_000_000.0 + 7 * 24 * 3600.0 + 5 * 3600.0
+    assert again.profiles["batch"].predict(t) == first.profiles["batch"].predict(t) is not None
+    assert again.profiles["spot"].trained_hours == 0
+    # A damaged file costs the history, not the start
+    again.profiles_path.write_text("{not json")
+    fresh = service(fleet(), FakeGateway([]), ManualClock())
+    assert fresh.profiles["batch"].trained_hours == 0
+
+
+async def test_a_finished_rollout_is_recorded_and_not_repeated_by_the_next_scheduler() -> None:
+    clock = ManualClock()
+    gw = FakeGateway(
+        [
+            ReplicaView("i0", "http://127.0.0.1:9001", "interactive"),
+            ReplicaView("i1", "http://127.0.0.1:9002", "interactive", group="next", weight=0.0),
+        ]
+    )
+    gw.report = LoadReport(
+        time=1_700_000_000.0,
+        pools={"interactive": PoolLoad()},
+        groups={"next": GroupLoad(), "stable": GroupLoad(requests=100)},
+    )
+    s = service(fleet(), gw, clock, gate=False, health=False, autoscale=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(s.run(stop))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    # The canary got its first share (10%) by weight
+    assert ("i1", {"weight": pytest.approx(1 / 9)}) in gw.updates
+    # When the new build fails far more often than the baseline
+    gw.report = LoadReport(
+        time=1_700_000_005.0,
+        pools={"interactive": PoolLoad()},
+        groups={"next": GroupLoad(requests=60, errors=30), "stable": GroupLoad(requests=640, errors=1)},
+    )
+    await clock.advance_and_settle(5.0, 1.0)
+    # Then it is rolled back (weight 0) and the outcome recorded
+    assert gw.updates[-2:] == [("i0", {"weight": 1.0}), ("i1", {"weight": 0.0})]
+    for _ in range(50):
+        if s.outcomes_path.exists():
+            break
+        await asyncio.sleep(0.02)
+    recorded = json.loads(s.outcomes_path.read_text())["pools"]["interactive"]
+    assert (recorded["group"], recorded["outcome"]) == ("next", "rolled_back")
+    assert recorded["reason"].startswith("error_rate")
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    # And a restarted scheduler leaves the rolled-back group alone, saying so
+    again = service(fleet(), gw, clock, gate=False, health=False, autoscale=False)
+    assert again.canaries == {}
+    assert any("interactive group next already rolled_back" in line for line in again.describe())
+
+
+async def test_the_probe_generates_one_token_or_embeds_one_word_by_the_pool_model(tmp_path: Path) -> None:
+    from replicas.launcher import sim_process
+    from scheduler.health import CanaryGeneration
+
+    chat = sim_process("fast-test", args=["--served-model-name", "m"], log_path=tmp_path / "chat.log")
+    embed = sim_process("e5-mistral-7b-h100", args=["--served-model-name", "e"], log_path=tmp_path / "e5.log")
+    for p in (chat, embed):
+        p.start()
+    probes = CanaryGeneration({"interactive": "m", "embed": "e", "wrong": "e"}, embedding_pools={"embed"})
+    try:
+        await asyncio.gather(*(asyncio.to_thread(p.wait_ready, 60) for p in (chat, embed)))
+        assert (await probes.probe(ReplicaView("c", chat.url, "interactive"))).ok
+        assert (await probes.probe(ReplicaView("e", embed.url, "embed"))).ok
+        # An embedding model cannot generate: probing it with a completion would take it out of routing
+        bad = await probes.probe(ReplicaView("e", embed.url, "wrong"))
+        assert not bad.ok and bad.error
+    finally:
+        await probes.aclose()
+        for p in (chat, embed):
+            p.stop()
