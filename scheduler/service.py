@@ -19,11 +19,12 @@ registry, :class:`~scheduler.gateway.GatewayAdmin`) and an injected clock:
   forces one; what each pool's hour-of-week profile learned is saved under the data dir
   (``scheduler/autoscaler-profiles.json``) every few minutes and at stop, and read at start;
 * **canary** -- a :class:`~scheduler.canary.CanaryController` per pool whose replicas include a
-  group other than the baseline (``stable``), with the pool's optional ``canary`` section; without
-  an :class:`~scheduler.canary.EvalRunner` the rollout is judged on error rates alone. A finished
-  rollout is recorded under the data dir (``scheduler/canary-outcomes.json``, per pool and group),
-  so a restarted scheduler neither re-ramps a rolled-back build nor demotes a promoted one; a new
-  group name (or removing the record) starts a new rollout.
+  group other than the baseline (``stable``), with the pool's optional ``canary`` section; its
+  ``eval`` (dataset and scorer) makes a :class:`~scheduler.evals.ReplicaEvalRunner`, and without
+  one the rollout is judged on error rates alone. A finished rollout is recorded under the data
+  dir (``scheduler/canary-outcomes.json``, per pool and group), so a restarted scheduler neither
+  re-ramps a rolled-back build nor demotes a promoted one; a new group name (or removing the
+  record) starts a new rollout.
 
 Every loop shares one :class:`~scheduler.metrics.SchedulerMetrics` (``serve_metrics`` exposes it).
 On stop the shared lane is paused (a scheduler that no longer watches users must not leave their
@@ -311,6 +312,7 @@ class SchedulerService:
                 if done is not None and done.get("group") == group:
                     continue  # this group's rollout already ended (see describe())
                 c = p.canary
+                pool_evals = evals if evals is not None else self._eval_runner(p)
                 spec = (
                     CanarySpec(
                         canary_group=group,
@@ -320,12 +322,12 @@ class SchedulerService:
                         min_requests=c.min_requests,
                         max_error_rate_increase=c.max_error_rate_increase,
                         max_eval_drop=c.max_eval_drop,
-                        require_eval=evals is not None,
+                        require_eval=pool_evals is not None,
                     )
                     if c is not None
-                    else CanarySpec(canary_group=group, require_eval=evals is not None)
+                    else CanarySpec(canary_group=group, require_eval=pool_evals is not None)
                 )
-                if evals is None:
+                if pool_evals is None:
                     log.warning(
                         "canary %s: no eval runner; the rollout is judged on error rates only", p.name
                     )
@@ -335,12 +337,36 @@ class SchedulerService:
                     pool=p.name,
                     clock=clock,
                     spec=spec,
-                    evals=evals,
+                    evals=pool_evals,
                     metrics=self.metrics,
                     interval_s=c.interval_s if c is not None else 5.0,
                 )
 
     # -- assembly ------------------------------------------------------------------------------
+
+    def _eval_runner(self, pool: PoolSpec) -> EvalRunner | None:
+        """The pool's ``canary.eval``: the eval job kind run straight against each group."""
+        from scheduler.evals import ReplicaEvalRunner
+
+        spec = pool.canary.eval if pool.canary is not None else None
+        if spec is None:
+            return None
+        dataset = Path(spec.dataset)
+        if not dataset.is_file():
+            raise SchedulerSetupError(f"pools.{pool.name}.canary.eval.dataset: no file {spec.dataset}")
+        options: dict[str, Any] = {"scorer": spec.scorer, "max_tokens": spec.max_tokens}
+        if spec.pattern is not None:
+            options["pattern"] = spec.pattern
+        try:
+            return ReplicaEvalRunner(
+                self.gateway,
+                dataset,
+                models={pool.name: pool.model},
+                options=options,
+                max_items=spec.max_items,
+            )
+        except ValueError as exc:
+            raise SchedulerSetupError(f"pools.{pool.name}.canary.eval: {exc}") from None
 
     def _shared_lane(self) -> LaneController:
         from scheduler.lanes import SharedLane

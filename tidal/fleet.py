@@ -38,6 +38,7 @@ from pydantic import (
 __all__ = [
     "AdapterSpec",
     "AutoscalerSpec",
+    "CanaryEvalSpec",
     "CanaryRolloutSpec",
     "ClassSpec",
     "ExternalProviderSpec",
@@ -189,14 +190,26 @@ class AutoscalerSpec(_Strict):
         return self
 
 
+class CanaryEvalSpec(_Strict):
+    """The offline eval each group of a canary rollout is scored on: the ``eval`` job kind's
+    dataset (JSONL of ``{"prompt"|"messages", "reference"}``) and scorer, sent by the scheduler
+    straight to each group's replicas. ``dataset`` is a path as the scheduler process sees it."""
+
+    dataset: str = Field(min_length=1, max_length=4096)
+    scorer: Literal["exact", "contains", "regex"] = "exact"
+    pattern: str | None = Field(default=None, max_length=256)
+    max_tokens: int = Field(default=64, ge=1, le=8192)
+    max_items: int = Field(default=1000, ge=1, le=10_000)
+
+
 class CanaryRolloutSpec(_Strict):
     """How the scheduler rolls a pool's canary group forward (``tidal scheduler``).
 
     The canary group gets ``steps`` shares of traffic in turn, each for at least ``step_s`` and
     ``min_requests`` requests; it is rolled back when its error rate is significantly higher than
     the baseline's by more than ``max_error_rate_increase``, or its eval score more than
-    ``max_eval_drop`` lower. ``group`` defaults to the pool's one replica group that is not
-    ``baseline_group``.
+    ``max_eval_drop`` lower (``eval``; without it, on error rates alone). ``group`` defaults to
+    the pool's one replica group that is not ``baseline_group``.
     """
 
     group: Name | None = None
@@ -207,6 +220,7 @@ class CanaryRolloutSpec(_Strict):
     max_error_rate_increase: float = Field(default=0.01, ge=0.0, le=1.0)
     max_eval_drop: float = Field(default=0.02, ge=0.0, le=1.0)
     interval_s: float = Field(default=5.0, gt=0.0, le=3600.0)
+    eval: CanaryEvalSpec | None = None
 
     @model_validator(mode="after")
     def _check(self) -> CanaryRolloutSpec:

@@ -157,6 +157,22 @@ def test_each_fleet_part_gets_its_loop_and_each_autoscaled_pool_its_actuator() -
     assert "batch gate on interactive" in text and "spot (local actuator)" in text
 
 
+def test_a_canary_eval_section_scores_each_group_with_the_eval_job_kind(tmp_path: Path) -> None:
+    from scheduler.evals import ReplicaEvalRunner
+
+    dataset = tmp_path / "capitals.jsonl"
+    dataset.write_text('{"prompt": "Capital of France?", "reference": "Paris"}\n')
+    canary = {"steps": [0.1], "eval": {"dataset": str(dataset), "scorer": "contains", "max_items": 50}}
+    s = service(fleet(interactive={"canary": canary}), FakeGateway([]), ManualClock())
+    ctl = s.canaries["interactive"]
+    # The rollout now needs the eval to pass, scored on the pool's model by the job kind's scorer
+    assert ctl.spec.require_eval and isinstance(ctl.evals, ReplicaEvalRunner)
+    # A dataset that is not there is a start-up error naming the key
+    canary["eval"] = {"dataset": str(tmp_path / "missing.jsonl")}
+    with pytest.raises(SchedulerSetupError, match=r"pools.interactive.canary.eval.dataset: no file"):
+        service(fleet(interactive={"canary": canary}), FakeGateway([]), ManualClock())
+
+
 def test_switches_turn_loops_off() -> None:
     s = service(
         fleet(), FakeGateway([]), ManualClock(), gate=False, health=False, autoscale=False, canary=False
