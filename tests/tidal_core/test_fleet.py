@@ -117,6 +117,12 @@ def test_minimal_fleet_gets_defaults() -> None:
             "pools.interactive.canary: group must differ from baseline_group",
         ),
         (
+            lambda d: d["pools"]["interactive"].update(
+                canary={"eval": {"dataset": "e.jsonl", "scorer": "judge"}}
+            ),
+            "pools.interactive.canary.eval.scorer",
+        ),
+        (
             lambda d: d["pools"]["interactive"]["replicas"].extend(
                 [
                     {"name": "c1", "url": "http://h:2", "group": "b1"},
