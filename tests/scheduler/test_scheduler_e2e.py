@@ -160,7 +160,10 @@ def test_the_gate_pauses_batch_for_an_interactive_burst_and_the_batch_completes_
             return (c.completed + c.failed) if c is not None else 0
 
         wait_for(lambda: done() >= 100, 60, "the batch to run")
-        assert _metric(replica, "vllm:num_requests_running") > CAP  # batch sequences on the replica
+        # (vLLM's gauges are a snapshot: between two chunks the replica may briefly run nothing)
+        wait_for(
+            lambda: _metric(replica, "vllm:num_requests_running") > CAP, 10, "batch sequences on the replica"
+        )
 
         # When an interactive burst queues in the gateway
         with ThreadPoolExecutor(16) as pool:
