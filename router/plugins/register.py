@@ -26,8 +26,8 @@ from router.plugins.scorers.kv_cache import KVCacheUtilizationScorer
 from router.plugins.scorers.least_inflight import LeastInflightScorer
 from router.plugins.scorers.load import LoadScorer
 from router.plugins.scorers.lora_affinity import LoraAffinityScorer
-from router.plugins.scorers.prefix_affinity import PrefixAffinityScorer
 from router.plugins.scorers.prefill_cost import PrefillCostScorer
+from router.plugins.scorers.prefix_affinity import PrefixAffinityScorer
 from router.plugins.scorers.prefix_cache import PrefixCacheScorer
 from router.plugins.scorers.queue import QueueScorer
 from router.plugins.scorers.session_affinity import SessionAffinityScorer

@@ -98,10 +98,10 @@ def test_a_later_turn_follows_its_prefix_until_the_queue_there_outweighs_it() ->
     # Turn 1 (8 blocks) finds b idle and the others busy: it goes to b.
     assert score(idx, scorer, turn(*range(1, 9)), views(a=9000, c=9000, d=9000)) == "b"
     # Turn 2 repeats turn 1 and adds 2 blocks; b now has 3000 tokens queued, the others none:
-    # b saves 8 x 512 = 4096 tokens of prefill (x 1.5 for the turns to come), so it stays.
+    # b saves 8 x 512 = 4096 tokens of prefill (x 6 for the turns to come), so it stays.
     assert score(idx, scorer, turn(*range(1, 11)), views(b=3000)) == "b"
-    # Turn 3 finds 20,000 tokens queued on b: waiting there costs more than the cache saves.
-    assert score(idx, scorer, turn(*range(1, 13)), views(b=20_000)) != "b"
+    # Turn 3 finds 60,000 tokens queued on b: waiting there costs more than the cache saves.
+    assert score(idx, scorer, turn(*range(1, 13)), views(b=60_000)) != "b"
 
 
 def test_a_cold_prompt_goes_where_the_least_prefill_waits() -> None:

@@ -23,7 +23,7 @@ cache is stale; a later turn follows its prefix unless that replica's queue is l
 the cache saves. Scores are ``(worst - cost) / (worst - best)``: 1 for the
 cheapest, 0 for the dearest.
 
-Parameters: ``affinity`` (1.5), ``per_request_tokens`` (64), ``eviction`` (0.5).
+Parameters: ``affinity`` (6), ``per_request_tokens`` (64), ``eviction`` (0.5).
 
 Config example::
 
@@ -50,7 +50,7 @@ TYPE = "prefill-cost-scorer"
 
 
 class Params(PluginParams):
-    affinity: float = Field(default=1.5, ge=0.0, le=100.0)
+    affinity: float = Field(default=6.0, ge=0.0, le=100.0)
     per_request_tokens: float = Field(default=64.0, ge=0.0)
     eviction: float = Field(default=0.5, ge=0.0, le=100.0)
 
