@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.routing import replay, run
-from bench.traces import synthetic_workload
+from bench.routing import peak_rate, replay, run
+from bench.traces import TraceRequest, synthetic_workload
 
 COLUMNS = {
     "trace",
@@ -55,6 +55,9 @@ def test_a_trace_file_gives_one_row_per_trace_load_and_policy(tmp_path: Path) ->
         assert set(row) >= COLUMNS
         assert row["trace"] == "tiny_trace.jsonl" and row["requests"] == 120
         assert 0 <= row["prefix_hit_ratio"] <= row["ideal_hit_ratio"] + 1e-9
+        assert 0 < row["capacity_hit_ratio"] <= row["ideal_hit_ratio"]
+        # The tiny trace is shorter than the 5-minute window: peak and mean rate are the same.
+        assert row["load_basis"] == "peak" and row["peak_load"] == row["mean_load"] == 0.5
     tidal, rr = rows
     # Turns of a conversation share their prefix: following it beats spreading turns round robin.
     assert tidal["prefix_hit_ratio"] > rr["prefix_hit_ratio"]
@@ -65,3 +68,12 @@ def test_replay_uses_the_product_router_and_caps() -> None:
     result = replay(workload, "tidal", scale=1.0, replicas=2)
     assert result["served"] == len(workload) and result["refused"] == 0
     assert all(2 <= c <= 16 for c in result["final_caps"])
+
+
+def test_peak_rate_is_the_busiest_window() -> None:
+    # 10 minutes at 1 request per 10 s, with a burst of 60 more requests in one minute.
+    calm = [TraceRequest(float(t), 100, 10) for t in range(0, 600, 10)]
+    burst = [TraceRequest(200.0 + i, 100, 10) for i in range(60)]
+    workload = sorted(calm + burst, key=lambda r: r.arrival_s)
+    assert peak_rate(workload, window_s=300) == (30 + 1 + 60) / 300
+    assert peak_rate(workload[:3], window_s=300) == 3 / 20  # shorter than the window: its mean
