@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from bench.routing import peak_rate, replay, run
 from bench.traces import TraceRequest, synthetic_workload
@@ -26,7 +27,7 @@ COLUMNS = {
 
 def _mooncake_file(tmp_path: Path) -> Path:
     # Conversations on one shared system block, each with a few turns that extend their prefix.
-    lines = []
+    lines: list[dict[str, Any]] = []
     t = 0
     for conv in range(40):
         ids = [0, 1000 + conv * 10]
