@@ -21,7 +21,7 @@ counts a replica's queued prefill in whole prompts, and this turns it into work.
 it inserts the prompt's blocks into the picked replica's index.
 
 Parameters: ``capacity_tokens`` (1,048,576: the KV size assumed before a replica's first scrape),
-``max_blocks_per_replica`` (4,194,304: a hard bound on the index's memory whatever a replica
+``max_blocks_per_replica`` (524,288: a hard bound on the index's memory whatever a replica
 reports), ``max_prefix_blocks`` (4096: blocks of one prompt matched and indexed),
 ``share_window`` (32).
 
@@ -54,7 +54,7 @@ UNCACHED_SHARE: StateKey[dict[str, float]] = StateKey(f"{KV_INDEX_TYPE}.uncached
 
 class Params(PluginParams):
     capacity_tokens: int = Field(default=1 << 20, ge=1, le=1 << 40)
-    max_blocks_per_replica: int = Field(default=1 << 22, ge=1, le=1 << 30)
+    max_blocks_per_replica: int = Field(default=1 << 19, ge=1, le=1 << 26)
     max_prefix_blocks: int = Field(default=4096, ge=1, le=1 << 20)
     share_window: int = Field(default=32, ge=1, le=1 << 20)
 
