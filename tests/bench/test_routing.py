@@ -78,3 +78,16 @@ def test_peak_rate_is_the_busiest_window() -> None:
     workload = sorted(calm + burst, key=lambda r: r.arrival_s)
     assert peak_rate(workload, window_s=300) == (30 + 1 + 60) / 300
     assert peak_rate(workload[:3], window_s=300) == 3 / 20  # shorter than the window: its mean
+
+
+def test_an_azure_csv_runs_too(tmp_path: Path) -> None:
+    rows = [
+        f"2023-11-16 18:{m:02d}:{s:02d}.0000000,{1000 + 37 * i},{20 + i % 7}"
+        for i, (m, s) in enumerate((m, s) for m in range(10, 14) for s in range(0, 60, 3))
+    ]
+    path = tmp_path / "azure_tiny.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    out = run(quick=True, out_dir=tmp_path, trace=str(path), loads="0.5", policies="tidal", replicas="2")
+    assert len(out) == 1 and out[0]["trace"] == "azure_tiny.csv" and out[0]["requests"] == 80
+    # No prefix information: nothing to hit, and no bound says otherwise.
+    assert out[0]["ideal_hit_ratio"] == out[0]["capacity_hit_ratio"] == 0.0
