@@ -10,18 +10,18 @@ sending it to a candidate is, in tokens::
 ``queued_prefill`` is the gateway's count of prompt tokens still waiting for their first token
 there (:class:`~router.types.ReplicaView`), scaled by the share of recent prompts there that
 were not cached (``kv-index``: a replica busy with cached follow-ups has less work queued than
-its prompt count says), ``cached`` what the ``kv-index`` believes the
-replica holds of this prompt, ``in_flight`` its request count (decodes share every step with the
+its prompt count says), ``cached`` what the ``kv-index`` believes the replica holds of this
+prompt, ``in_flight`` its request count (decodes share every step with the
 prefill). ``affinity`` > 1 values a cached prefix above the tokens it saves now: a conversation
 that stays where its history is keeps hitting there, while one that moves duplicates its history
 on a second replica and evicts someone else's. The last term is what the uncached tokens
 evict: nothing on a replica whose cache is not full, the most on the one whose least recently
-used block is youngest (``kv-index`` tail age: its cache turns over fastest). Spreading new
-prefixes so that every replica's cache ages alike makes eight caches behave like one of their
-joint size. A cold prompt (cached nowhere) thus goes to a replica that is not busy and whose
+used block is youngest (``kv-index`` tail age: its cache turns over fastest), so that the
+replicas' caches age alike, as one cache of their joint size would. A cold prompt (cached nowhere) thus goes to a replica that is not busy and whose
 cache is stale; a later turn follows its prefix unless that replica's queue is longer than what
-the cache saves. Scores are ``(worst - cost) / (worst - best)``: 1 for the
-cheapest, 0 for the dearest.
+the cache saves. Scores are ``(worst - cost) / (worst - best)``: 1 for the cheapest, 0 for the
+dearest; the decision's notes say ``prefill_cost``: ``cached`` when the cheapest replica holds
+part of the prompt, else ``cold``.
 
 Parameters: ``affinity`` (6), ``per_request_tokens`` (64), ``eviction`` (0.5).
 
