@@ -11,9 +11,9 @@ when saturated, round robin), then the trace's arrivals are rescaled to each loa
 of that capacity) and replayed once per policy. **Load** is the trace's offered rate over that
 capacity, the rate taken (``--load-basis``) in its busiest 5-minute window (``peak``, the
 default) or over the whole trace (``mean``). The two agree for a steady trace (the Mooncake
-conversation trace's busiest 5 minutes are 1.1 x its mean) but not for a bursty one: the Azure
-code trace's are 1.56 x its mean, so at 80 % of capacity by the mean rate the fleet is 25 %
-overloaded for minutes at a time and every policy queues for seconds. Rows carry both figures
+conversation trace's busiest 5 minutes are 1.14 x its mean) but not for a bursty one: the Azure
+code trace's are 1.79 x its mean, so at 80 % of capacity by the mean rate the fleet is offered
+143 % of its capacity for minutes at a time and every policy queues for seconds. Rows carry both figures
 (``mean_load``, ``peak_load``).
 
 Rows give TTFT (from arrival at the gateway, queueing included) p50/p95/p99, TPOT p50/p95, the
