@@ -18,13 +18,16 @@ with everything before it*, so two requests that share their first k ids share a
   (each 512-token id expanded into 32 chained 16-token sub-blocks) for the simulator;
   :func:`prompt_text` -- deterministic text with equal text for equal prefixes.
 * :func:`ideal_hit_ratio` -- the prefix-cache hit ratio of one infinite cache (Mooncake reports
-  about 37 % for the conversation trace).
+  about 37 % for the conversation trace); :func:`capacity_hit_ratio` -- that of one LRU cache of
+  a given size (a whole cluster's KV capacity: what no router over that cluster can beat by
+  much, since each request's prefix must be resident on the one replica it goes to).
 
 Example::
 
     reqs, source = load_default("mooncake_conversation_trace.jsonl")
     print(source, len(reqs), ideal_hit_ratio(reqs))
     hashes = block_hashes(reqs[0], block_size=16)   # len == reqs[0].input_length // 16
+    capacity_hit_ratio(reqs, capacity_tokens=8 * 1_443_920)  # 8 replicas' KV, one LRU
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import math
 import os
 import random
 import statistics
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -45,6 +49,7 @@ from replicas.words import COMMON_WORDS
 __all__ = [
     "TraceRequest",
     "block_hashes",
+    "capacity_hit_ratio",
     "find_trace",
     "ideal_hit_ratio",
     "load_azure",
@@ -356,4 +361,34 @@ def ideal_hit_ratio(requests: Sequence[TraceRequest]) -> float:
                 break
             hit += min(bt, r.input_length - i * bt)
         seen.update(ids)
+    return hit / total if total else 0.0
+
+
+def capacity_hit_ratio(requests: Sequence[TraceRequest], capacity_tokens: int) -> float:
+    """The hit ratio of an oracle that serves every request from **one** prefix cache of
+    ``capacity_tokens`` tokens (e.g. the whole cluster's KV capacity) under LRU.
+
+    Counted as :func:`ideal_hit_ratio` counts (a leading run of seen block ids, the last block
+    only for the tokens it holds), but a block is forgotten once ``capacity_tokens //
+    block_tokens`` more recently used blocks are held. A request touches its blocks from last to
+    first, so its shared head is the most recent and its tail is evicted first (vLLM frees a
+    request's blocks in reverse order for the same reason). Running requests' blocks are not
+    pinned, so this is an optimistic bound for a real engine.
+    """
+    lru: OrderedDict[int, None] = OrderedDict()
+    hit = total = 0
+    for r in sorted(requests, key=lambda x: x.arrival_s):
+        bt = r.block_tokens
+        cap = max(1, capacity_tokens // bt)
+        ids = r.hash_ids
+        total += r.input_length
+        for i, h in enumerate(ids):
+            if h not in lru:
+                break
+            hit += min(bt, r.input_length - i * bt)
+        for h in reversed(ids):
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > cap:
+            lru.popitem(last=False)
     return hit / total if total else 0.0

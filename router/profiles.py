@@ -7,13 +7,22 @@ benchmark run compares them on the same trace, load and replicas:
 ==================== =====================================================================
 profile              what it does
 ==================== =====================================================================
-tidal                adapter affinity (16) > session ring (4) > prefix ring (2) > load (1)
+tidal                adapter affinity (16) > session ring (4) > prefill cost (2) > load (1)
+                     > prefix ring (0.25)
 round_robin          the candidates in turn (a Kubernetes Service)
 least_load           fewest gateway in-flight requests
 power_of_two         the less loaded of two random candidates
 sglang_cache_aware   SGLang's cache_aware: approximate tree, imbalance thresholds
 llm_d                llm-d's default: queue (2), KV usage (2), approximate prefix (3)
 ==================== =====================================================================
+
+``tidal``'s prefill cost (:mod:`~router.plugins.scorers.prefill_cost`) is the predicted prefill
+work on each replica -- queued prompt tokens plus this prompt's tokens not in that replica's KV
+cache as the ``kv-index`` tracks it, a cached prefix counted 6 x for the turns that follow --
+so a conversation stays where its history is cached until that replica's queue outweighs it, and
+a prompt cached nowhere goes where the least work waits. The prefix ring only breaks near-ties
+(a new conversation on an idle pool goes to its ring replica, so gateways that share no state
+agree on it).
 
 Every profile starts with the same filters: healthy, serves the model, adapter loadable, canary
 split, below its in-flight cap.
@@ -53,6 +62,7 @@ BUILTIN_ROUTER: dict[str, Any] = {
             "kv-cache-utilization-scorer",
             "prefix-cache-scorer",
             "cache-aware-scorer",
+            "prefill-cost-scorer",
             "max-score-picker",
             "round-robin-picker",
             "power-of-two-picker",
@@ -65,8 +75,9 @@ BUILTIN_ROUTER: dict[str, Any] = {
                 *_FILTERS,
                 {"ref": "lora-affinity-scorer", "weight": 16},
                 {"ref": "session-affinity-scorer", "weight": 4},
-                {"ref": "prefix-affinity-scorer", "weight": 2},
+                {"ref": "prefill-cost-scorer", "weight": 2},
                 {"ref": "load-scorer", "weight": 1},
+                {"ref": "prefix-affinity-scorer", "weight": 0.25},
                 {"ref": "max-score-picker"},
             ],
         },

@@ -19,12 +19,14 @@ from router.plugins.pickers.power_of_two import PowerOfTwoPicker
 from router.plugins.pickers.random_pick import RandomPicker
 from router.plugins.pickers.round_robin import RoundRobinPicker
 from router.plugins.producers.block_index import ApproxPrefixIndex, RadixTree
+from router.plugins.producers.kv_index import KVIndex
 from router.plugins.producers.rings import PrefixRing, SessionRing
 from router.plugins.scorers.cache_aware import CacheAwareScorer
 from router.plugins.scorers.kv_cache import KVCacheUtilizationScorer
 from router.plugins.scorers.least_inflight import LeastInflightScorer
 from router.plugins.scorers.load import LoadScorer
 from router.plugins.scorers.lora_affinity import LoraAffinityScorer
+from router.plugins.scorers.prefill_cost import PrefillCostScorer
 from router.plugins.scorers.prefix_affinity import PrefixAffinityScorer
 from router.plugins.scorers.prefix_cache import PrefixCacheScorer
 from router.plugins.scorers.queue import QueueScorer
@@ -54,6 +56,7 @@ register(PrefixRing.TYPE, PrefixRing.from_config)
 register(SessionRing.TYPE, SessionRing.from_config)
 register(ApproxPrefixIndex.TYPE, ApproxPrefixIndex.from_config)
 register(RadixTree.TYPE, RadixTree.from_config)
+register(KVIndex.TYPE, KVIndex.from_config)
 # scorers
 register(PrefixAffinityScorer.TYPE, PrefixAffinityScorer.from_config)
 register(SessionAffinityScorer.TYPE, SessionAffinityScorer.from_config)
@@ -64,6 +67,7 @@ register(QueueScorer.TYPE, QueueScorer.from_config)
 register(KVCacheUtilizationScorer.TYPE, KVCacheUtilizationScorer.from_config)
 register(PrefixCacheScorer.TYPE, PrefixCacheScorer.from_config)
 register(CacheAwareScorer.TYPE, CacheAwareScorer.from_config)
+register(PrefillCostScorer.TYPE, PrefillCostScorer.from_config)
 # pickers
 register(MaxScorePicker.TYPE, MaxScorePicker.from_config)
 register(RoundRobinPicker.TYPE, RoundRobinPicker.from_config)

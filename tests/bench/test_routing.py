@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from bench.routing import replay, run
-from bench.traces import synthetic_workload
+from bench.routing import peak_rate, replay, run
+from bench.traces import TraceRequest, synthetic_workload
 
 COLUMNS = {
     "trace",
@@ -26,7 +27,7 @@ COLUMNS = {
 
 def _mooncake_file(tmp_path: Path) -> Path:
     # Conversations on one shared system block, each with a few turns that extend their prefix.
-    lines = []
+    lines: list[dict[str, Any]] = []
     t = 0
     for conv in range(40):
         ids = [0, 1000 + conv * 10]
@@ -55,6 +56,9 @@ def test_a_trace_file_gives_one_row_per_trace_load_and_policy(tmp_path: Path) ->
         assert set(row) >= COLUMNS
         assert row["trace"] == "tiny_trace.jsonl" and row["requests"] == 120
         assert 0 <= row["prefix_hit_ratio"] <= row["ideal_hit_ratio"] + 1e-9
+        assert 0 < row["capacity_hit_ratio"] <= row["ideal_hit_ratio"]
+        # The tiny trace is shorter than the 5-minute window: peak and mean rate are the same.
+        assert row["load_basis"] == "peak" and row["peak_load"] == row["mean_load"] == 0.5
     tidal, rr = rows
     # Turns of a conversation share their prefix: following it beats spreading turns round robin.
     assert tidal["prefix_hit_ratio"] > rr["prefix_hit_ratio"]
@@ -65,3 +69,25 @@ def test_replay_uses_the_product_router_and_caps() -> None:
     result = replay(workload, "tidal", scale=1.0, replicas=2)
     assert result["served"] == len(workload) and result["refused"] == 0
     assert all(2 <= c <= 16 for c in result["final_caps"])
+
+
+def test_peak_rate_is_the_busiest_window() -> None:
+    # 10 minutes at 1 request per 10 s, with a burst of 60 more requests in one minute.
+    calm = [TraceRequest(float(t), 100, 10) for t in range(0, 600, 10)]
+    burst = [TraceRequest(200.0 + i, 100, 10) for i in range(60)]
+    workload = sorted(calm + burst, key=lambda r: r.arrival_s)
+    assert peak_rate(workload, window_s=300) == (30 + 1 + 60) / 300
+    assert peak_rate(workload[:3], window_s=300) == 3 / 20  # shorter than the window: its mean
+
+
+def test_an_azure_csv_runs_too(tmp_path: Path) -> None:
+    rows = [
+        f"2023-11-16 18:{m:02d}:{s:02d}.0000000,{1000 + 37 * i},{20 + i % 7}"
+        for i, (m, s) in enumerate((m, s) for m in range(10, 14) for s in range(0, 60, 3))
+    ]
+    path = tmp_path / "azure_tiny.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    out = run(quick=True, out_dir=tmp_path, trace=str(path), loads="0.5", policies="tidal", replicas="2")
+    assert len(out) == 1 and out[0]["trace"] == "azure_tiny.csv" and out[0]["requests"] == 80
+    # No prefix information: nothing to hit, and no bound says otherwise.
+    assert out[0]["ideal_hit_ratio"] == out[0]["capacity_hit_ratio"] == 0.0

@@ -10,6 +10,7 @@ import pytest
 from bench.traces import (
     TraceRequest,
     block_hashes,
+    capacity_hit_ratio,
     ideal_hit_ratio,
     load_azure,
     load_default,
@@ -94,3 +95,21 @@ def test_load_default_falls_back_to_the_synthetic_workload(
     monkeypatch.setenv("TIDAL_TRACES_DIR", str(tmp_path))
     reqs, source = load_default("no-such-trace.jsonl", synthetic_duration_s=60)
     assert reqs and "synthetic" in source
+
+
+def test_capacity_hit_ratio_is_one_lru_of_the_given_size() -> None:
+    def req(t: float, *ids: int) -> TraceRequest:
+        return TraceRequest(t, 512 * len(ids), 1, ids)
+
+    # Two conversations on one shared block alternate; each turn repeats its whole history.
+    reqs = [req(0, 0, 1), req(1, 0, 2), req(2, 0, 1, 3), req(3, 0, 2, 4)]
+    total = 1024 + 1024 + 1536 + 1536
+    # Unbounded, it is the ideal: turn 2 hits [0], turn 3 [0, 1], turn 4 [0, 2].
+    assert (
+        capacity_hit_ratio(reqs, 10**9) == ideal_hit_ratio(reqs) == pytest.approx((512 + 1024 + 1024) / total)
+    )
+    # Three blocks: after turn 2 the LRU holds 0, 2, 1 (1 oldest); turn 3 finds 0 and 1, then
+    # turn 3 touched 3, 1, 0 and pushed 2 out, so turn 4 finds only the shared block.
+    assert capacity_hit_ratio(reqs, 3 * 512) == pytest.approx((512 + 1024 + 512) / total)
+    # One block: only the head a turn touched last survives; every turn still shares block 0.
+    assert capacity_hit_ratio(reqs, 512) == pytest.approx(3 * 512 / total)

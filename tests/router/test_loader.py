@@ -160,7 +160,7 @@ def test_every_plugin_call_is_timed_and_labelled() -> None:
     router: Router = build_router(None, seed=0, observer=rec)
     router.route(RouteRequest("m", prefix_key=9), VIEWS)
     kinds = {(k, t) for k, t, _ in rec.calls}
-    assert ("filter", "healthy-filter") in kinds and ("producer", "prefix-ring") in kinds
+    assert ("filter", "healthy-filter") in kinds and ("producer", "kv-index") in kinds
     assert ("scorer", "load-scorer") in kinds and ("picker", "max-score-picker") in kinds
     assert rec.decisions[0][0] == "tidal" and rec.decisions[0][1] is not None
 

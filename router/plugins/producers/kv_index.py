@@ -1,0 +1,141 @@
+"""``kv-index``: per replica, the prompt blocks it probably still holds in its KV cache.
+
+The gateway cannot see a replica's prefix cache, but it knows every prompt it sent there. This
+index keeps, per replica, the chained block hashes of those prompts (:mod:`router.prefix`; a
+block hash names its whole prefix) in an LRU the size of the replica's KV cache (its scraped
+``vllm:cache_config_info``: ``num_gpu_blocks x block_size`` tokens, else ``capacity_tokens``), so
+a replica that takes many long prompts forgets old ones as its engine would. A prompt's blocks
+are touched from last to first, like vLLM frees them: the shared head of a conversation stays
+the most recent, its tail goes first, and what the index holds of any chain is a prefix of it.
+That lets the match be a binary search: ``O(log blocks)`` per candidate, so a decision costs
+``O(replicas x log blocks)``.
+
+Before the decision it attaches :data:`CACHED_TOKENS` -- per candidate, the prompt tokens it
+probably has cached -- and :data:`TAIL_AGE` -- per candidate, the seconds since its least
+recently used block was last used, ``inf`` while its cache is not full. A new prompt evicts that
+tail: the older it is, the less what it evicts is worth (a replica whose cache turns over fast
+is under pressure; one with an old tail, or room, is not). It also attaches
+:data:`UNCACHED_SHARE` -- per candidate, the share of the prompt tokens recently sent there that
+were not cached (a moving average over the last ``share_window`` picks there): the gateway
+counts a replica's queued prefill in whole prompts, and this turns it into work. After the pick
+it inserts the prompt's blocks into the picked replica's index.
+
+Parameters: ``capacity_tokens`` (1,048,576: the KV size assumed before a replica's first scrape),
+``max_blocks_per_replica`` (524,288: a hard bound on the index's memory whatever a replica
+reports), ``max_prefix_blocks`` (4096: blocks of one prompt matched and indexed),
+``share_window`` (32).
+
+Config example::
+
+    - type: kv-index
+      parameters: {capacity_tokens: 2000000}
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from router.framework import PluginKind
+from router.plugins.base import PluginParams, parse_params
+from router.types import CycleState, ReplicaView, RouteRequest, StateKey
+
+__all__ = ["CACHED_TOKENS", "KV_INDEX_TYPE", "TAIL_AGE", "UNCACHED_SHARE", "KVIndex", "leading_run"]
+
+KV_INDEX_TYPE = "kv-index"
+CACHED_TOKENS: StateKey[dict[str, int]] = StateKey(KV_INDEX_TYPE)
+TAIL_AGE: StateKey[dict[str, float]] = StateKey(f"{KV_INDEX_TYPE}.tail_age")
+UNCACHED_SHARE: StateKey[dict[str, float]] = StateKey(f"{KV_INDEX_TYPE}.uncached_share")
+
+
+class Params(PluginParams):
+    capacity_tokens: int = Field(default=1 << 20, ge=1, le=1 << 40)
+    max_blocks_per_replica: int = Field(default=1 << 19, ge=1, le=1 << 26)
+    max_prefix_blocks: int = Field(default=4096, ge=1, le=1 << 20)
+    share_window: int = Field(default=32, ge=1, le=1 << 20)
+
+
+def leading_run(held: Mapping[int, Any], blocks: Sequence[int]) -> int:
+    """How many of ``blocks`` lead the sequence inside ``held``, assuming what is held of the
+    chain is a prefix of it (binary search)."""
+    lo, hi = 0, len(blocks)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class KVIndex:
+    TYPE: ClassVar[str] = KV_INDEX_TYPE
+    KIND: ClassVar[PluginKind] = "producer"
+
+    def __init__(self, name: str = KV_INDEX_TYPE, params: Params | None = None) -> None:
+        self.name = name
+        self.params = params or Params()
+        self._lru: dict[str, OrderedDict[int, float]] = {}  # block -> last use, LRU first
+        self._sent: dict[str, tuple[float, float]] = {}  # moving sums: uncached, prompt tokens
+
+    @classmethod
+    def from_config(cls, name: str, params: Mapping[str, Any] | None = None) -> KVIndex:
+        return cls(name, parse_params(Params, KV_INDEX_TYPE, name, params))
+
+    def capacity(self, replica: ReplicaView, block_tokens: int) -> int:
+        """Blocks of ``block_tokens`` the replica's KV cache holds (bounded by the parameters)."""
+        snap = replica.snapshot
+        if snap is not None and snap.num_gpu_blocks and snap.block_size:
+            tokens = snap.num_gpu_blocks * snap.block_size
+        else:
+            tokens = self.params.capacity_tokens
+        return max(1, min(self.params.max_blocks_per_replica, tokens // max(1, block_tokens)))
+
+    def produce(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[ReplicaView],
+        candidates: Sequence[ReplicaView],
+        state: CycleState,
+    ) -> None:
+        blocks = request.prefix_blocks[: self.params.max_prefix_blocks]
+        bt = max(1, request.block_tokens)
+        tokens = request.prompt_tokens or len(blocks) * bt
+        empty: OrderedDict[int, float] = OrderedDict()
+        cached: dict[str, int] = {}
+        tail_age: dict[str, float] = {}
+        for c in candidates:
+            lru = self._lru.get(c.name, empty)
+            cached[c.name] = min(tokens, leading_run(lru, blocks) * bt) if blocks else 0
+            if len(lru) < self.capacity(c, bt):
+                tail_age[c.name] = math.inf
+            else:
+                tail_age[c.name] = max(0.0, state.now - next(iter(lru.values())))
+        state.put(CACHED_TOKENS, cached)
+        state.put(TAIL_AGE, tail_age)
+        share: dict[str, float] = {}
+        for c in candidates:
+            uncached, total = self._sent.get(c.name, (1.0, 1.0))
+            share[c.name] = uncached / total if total > 0 else 1.0
+        state.put(UNCACHED_SHARE, share)
+
+    def after_pick(self, request: RouteRequest, picked: ReplicaView, state: CycleState) -> None:
+        blocks = request.prefix_blocks[: self.params.max_prefix_blocks]
+        tokens = request.prompt_tokens or len(blocks) * max(1, request.block_tokens)
+        hit = (state.get(CACHED_TOKENS) or {}).get(picked.name, 0)
+        keep = 1.0 - 1.0 / self.params.share_window
+        uncached, total = self._sent.get(picked.name, (0.0, 0.0))
+        self._sent[picked.name] = (uncached * keep + (tokens - hit), total * keep + tokens)
+        if not blocks:
+            return
+        lru = self._lru.setdefault(picked.name, OrderedDict())
+        for b in reversed(blocks):
+            lru[b] = state.now
+            lru.move_to_end(b)
+        cap = self.capacity(picked, max(1, request.block_tokens))
+        while len(lru) > cap:
+            lru.popitem(last=False)
