@@ -45,6 +45,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import secrets
 import socket
 import sys
@@ -103,7 +104,8 @@ class _Opts:
     batch_per_replica: int = 16
     chunk_lines: int = 16
     stream_tokens: int = 24
-    line_tokens: int = 48
+    line_tokens: int = 48  # the mean; each line draws 16 .. 2 x mean - 16, so lines end staggered
+    settle_s: float = 3.0  # batch runs this long after reaching every replica before a spike
     top_up_lines: int = 400
 
 
@@ -465,6 +467,8 @@ async def _calm(watch: _Watch, spec: GateSpec, timeout: float = 60.0) -> None:
 
 
 def _submit(service: BatchService, n: int, o: _Opts, tag: str) -> str:
+    rng = random.Random(tag)
+    lo = min(16, o.line_tokens)
     lines = [
         (
             json.dumps(
@@ -475,7 +479,7 @@ def _submit(service: BatchService, n: int, o: _Opts, tag: str) -> str:
                     "body": {
                         "model": MODEL,
                         "prompt": f"{tag} line {i}:" + " the" * 60,
-                        "max_tokens": o.line_tokens,
+                        "max_tokens": rng.randint(lo, 2 * o.line_tokens - lo),
                         "ignore_eos": True,
                     },
                 }
@@ -603,6 +607,8 @@ async def _bench(setup: _Setup, o: _Opts, log: Any) -> dict[str, Any]:
                     120,
                     "batch running on every shared replica with the gate open",
                 )
+                # Lines end and start at staggered times by now, as in a pool busy with batch.
+                await asyncio.sleep(o.settle_s)
                 await _calm(watch, spec)
                 start, samples = await _spike(session, gw, o)
                 cross = _crossing(watch, start, spec)
@@ -617,8 +623,10 @@ async def _bench(setup: _Setup, o: _Opts, log: Any) -> dict[str, Any]:
                 conf = next((t for t in watch.confirmed_pauses if t >= start - 0.25), math.inf)
                 dr = next((t for t, active, _ in watch.replicas if t >= cross and active == 0), math.inf)
                 last = max((x for t, _, x in watch.replicas if t <= start + o.spike_s), default=0.0)
+                active_at = [a for t, a, _ in watch.replicas if t <= cross]
                 row = {
                     "spike": k + 1,
+                    "batch_active_at_crossing": active_at[-1] if active_at else None,
                     "closed_s": tr - cross,
                     "confirmed_s": conf - cross,
                     "last_dispatch_s": max(0.0, last - cross),
