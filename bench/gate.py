@@ -624,24 +624,24 @@ async def _bench(setup: _Setup, o: _Opts, log: Any) -> dict[str, Any]:
                 dr = next((t for t, active, _ in watch.replicas if t >= cross and active == 0), math.inf)
                 last = max((x for t, _, x in watch.replicas if t <= start + o.spike_s), default=0.0)
                 active_at = [a for t, a, _ in watch.replicas if t <= cross]
+                closed.append(tr - cross)
+                confirmed.append(conf - cross)
+                last_dispatch.append(max(0.0, last - cross))
+                drained.append(dr - cross)
                 row = {
                     "spike": k + 1,
                     "batch_active_at_crossing": active_at[-1] if active_at else None,
-                    "closed_s": tr - cross,
-                    "confirmed_s": conf - cross,
-                    "last_dispatch_s": max(0.0, last - cross),
-                    "drained_s": dr - cross,
+                    "closed_s": closed[-1],
+                    "confirmed_s": confirmed[-1],
+                    "last_dispatch_s": last_dispatch[-1],
+                    "drained_s": drained[-1],
                 }
                 per_spike.append(row)
-                closed.append(row["closed_s"])
-                confirmed.append(row["confirmed_s"])
-                last_dispatch.append(row["last_dispatch_s"])
-                drained.append(row["drained_s"])
                 spike_ttft += [ttft for t0, ttft in samples if t0 >= cross + TTFT_AFTER_S]
                 log(
-                    f"spike {k + 1}/{o.spikes}: closed {row['closed_s']:.3f} s, lane confirmed "
-                    f"{row['confirmed_s']:.3f} s, last batch dispatch {row['last_dispatch_s']:.3f} s, "
-                    f"drained {row['drained_s']:.3f} s"
+                    f"spike {k + 1}/{o.spikes}: closed {closed[-1]:.3f} s, lane confirmed "
+                    f"{confirmed[-1]:.3f} s, last batch dispatch {last_dispatch[-1]:.3f} s, "
+                    f"drained {drained[-1]:.3f} s"
                 )
             # Let the gate reopen so the batches finish, then check every line.
             lost, statuses = await asyncio.to_thread(_lost, setup.service, batches, 600.0)

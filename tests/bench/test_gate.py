@@ -30,7 +30,7 @@ CONTRACT = {
 def test_quick_run_drains_batch_at_every_spike_and_loses_no_line(tmp_path: Path) -> None:
     require_tcp("RabbitMQ", "127.0.0.1", 5672)
     result = run(quick=True, out_dir=tmp_path)
-    assert CONTRACT <= set(result)
+    assert set(result) >= CONTRACT
     json.dumps(result)  # what `tidal bench gate` writes
     assert result["lines_lost"] == 0 and result["batch_statuses"] == ["completed"]
     assert result["spikes"] == 3 and result["broker"] == "rabbitmq"
