@@ -14,8 +14,8 @@ brings back: a pool whose batch share spans the hysteresis band pauses on its ow
 calms once batch has left, resumes and pauses again, all day. So the gate learns batch's share
 at each pause (the KV at the pause less the KV ``drain_s`` later, once batch has left; at most
 ``max_batch_kv``) and resumes on KV only when the usage is at or below the resume threshold
-*and* the usage plus batch's share stays at or below the middle of the band (the lower half of
-the band is the margin that keeps noise from tipping it back over the pause threshold).
+*and* the usage plus batch's share stays ``kv_margin`` (0.05) below the pause threshold. A wider
+margin pauses less often but lends fewer busy-but-not-full hours to batch.
 
 :class:`GateController` is the built-in control loop: it samples a :class:`LoadSource` every
 ``sample_interval_s`` (at most 250 ms), feeds each gate, and drives a :class:`LaneController`
@@ -102,6 +102,7 @@ class BatchGate:
         max_hold_s: float | None = None,
         drain_s: float = 2.0,
         max_batch_kv: float | None = None,
+        kv_margin: float = 0.05,
         initial: GateState = GateState.PAUSED,
     ) -> None:
         self.pool = pool
@@ -114,6 +115,7 @@ class BatchGate:
         # The learned KV share of lent batch work is capped, so the gate can always reopen once
         # interactive KV usage is low enough.
         self.max_batch_kv = max_batch_kv if max_batch_kv is not None else spec.kv_usage_resume / 2
+        self.kv_margin = kv_margin
         self.batch_kv = 0.0
         self._kv_at_pause: float | None = None
         self.state = initial
@@ -160,7 +162,7 @@ class BatchGate:
             sample.queue_wait_p95_s <= spec.queue_wait_p95_resume_s
             and sample.kv_usage <= spec.kv_usage_resume
             # With batch back, the KV must stay clear of the pause threshold (see the docstring).
-            and sample.kv_usage + self.batch_kv <= (spec.kv_usage_resume + spec.kv_usage_pause) / 2
+            and sample.kv_usage + self.batch_kv <= spec.kv_usage_pause - self.kv_margin
         )
         if not calm:
             self._calm_since = None
@@ -193,7 +195,7 @@ class BatchGate:
         sp = self.spec
         detail = (
             f"queue wait p95 <= {sp.queue_wait_p95_resume_s} s and KV usage <= {sp.kv_usage_resume} "
-            f"(plus batch's share {self.batch_kv:.2f} <= {(sp.kv_usage_resume + sp.kv_usage_pause) / 2:.2f}) "
+            f"(plus batch's share {self.batch_kv:.2f} <= {sp.kv_usage_pause - self.kv_margin:.2f}) "
             f"for {self.hold_s:.1f} s (now {s.queue_wait_p95_s:.3f} s, {s.kv_usage:.3f})"
         )
         self.state = GateState.OPEN

@@ -165,9 +165,10 @@ def test_resuming_counts_the_kv_share_batch_had_so_its_own_kv_does_not_flap_the_
         clock.advance(0.25)
         # Then the gate stays paused: resuming would bring it back to 0.9
         assert gate.observe(GateSample(0.0, 0.65)) is None
+        assert gate.observe(GateSample(0.0, 0.61)) is None
     assert gate.batch_kv == pytest.approx(0.25)
     # And it reopens after the hold once users' KV plus batch's share stays clear of the pause
-    # line (at or below the band's middle, 0.8)
+    # line (at or below 0.9 - 0.05)
     for _ in range(40):
         assert gate.observe(GateSample(0.0, 0.55)) is None
         clock.advance(0.25)
