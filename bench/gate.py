@@ -655,6 +655,8 @@ async def _bench(setup: _Setup, o: _Opts, log: Any) -> dict[str, Any]:
             await admin.aclose()
             await poll_admin.aclose()
             switch.close()
+    polls = [t for t, _, _ in watch.replicas]
+    poll_hz = (len(polls) - 1) / (polls[-1] - polls[0]) if len(polls) > 1 and polls[-1] > polls[0] else None
     ttft_spike = _p(spike_ttft, 0.95)
     ttft_base = _p(base_ttft, 0.95)
     drained_p99 = _p(drained, 0.99)
@@ -693,6 +695,7 @@ async def _bench(setup: _Setup, o: _Opts, log: Any) -> dict[str, Any]:
             f"gate pause at queue wait p95 {spec.queue_wait_p95_pause_s} s, hold {spec.hold_s:g} s"
         ),
         "broker": "rabbitmq" if is_amqp(setup.settings.broker_url) else "embedded",
+        "replica_polls_per_s": poll_hz,  # how often every replica's batch count was read (aim: 20)
         "per_spike": per_spike,
     }
 
@@ -775,5 +778,6 @@ def run(
             }
         ]
     )
-    print(f"\n{result['setup']}; broker {result['broker']}")
+    hz = result["replica_polls_per_s"]
+    print(f"\n{result['setup']}; broker {result['broker']}; replicas polled at {hz or 0:.1f} Hz")
     return result

@@ -34,6 +34,7 @@ def test_quick_run_drains_batch_at_every_spike_and_loses_no_line(tmp_path: Path)
     json.dumps(result)  # what `tidal bench gate` writes
     assert result["lines_lost"] == 0 and result["batch_statuses"] == ["completed"]
     assert result["spikes"] == 3 and result["broker"] == "rabbitmq"
+    assert result["replica_polls_per_s"] > 10  # the drain is seen at (about) 20 Hz
     for row in result["per_spike"]:
         # Batch was really on the replicas when the spike crossed the threshold, and left them.
         assert row["batch_active_at_crossing"] > 0
