@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -363,23 +363,36 @@ async def _poll_replicas(session: aiohttp.ClientSession, urls: list[str], watch:
                 last = s.value
         return running, waiting, last
 
-    while True:
+    async def poll() -> None:
         t0 = time.time()
-        with contextlib.suppress(Exception):
-            got = await asyncio.gather(*(one(u) for u in urls))
-            watch.batch_running = [r for r, _, _ in got]
-            watch.replicas.append((t0, sum(r + w for r, w, _ in got), max(x for _, _, x in got)))
-        await asyncio.sleep(max(0.0, POLL_S - (time.time() - t0)))
+        got = await asyncio.gather(*(one(u) for u in urls))
+        watch.batch_running = [r for r, _, _ in got]
+        watch.replicas.append((t0, sum(r + w for r, w, _ in got), max(x for _, _, x in got)))
+
+    await _every(POLL_S, poll)
 
 
 async def _poll_load(admin: GatewayAdmin, watch: _Watch) -> None:
-    while True:
+    async def poll() -> None:
         t0 = time.time()
+        p = (await admin.load()).pools.get(POOL)
+        if p is not None:
+            watch.load.append((t0, p.queue_wait_p95_s, p.kv_cache_usage_max))
+
+    await _every(POLL_S, poll)
+
+
+async def _every(interval: float, fn: Callable[[], Awaitable[None]]) -> None:
+    """Call ``fn`` on a fixed schedule (a failed call is skipped; an overrun restarts it)."""
+    next_at = time.monotonic()
+    while True:
         with contextlib.suppress(Exception):
-            p = (await admin.load()).pools.get(POOL)
-            if p is not None:
-                watch.load.append((t0, p.queue_wait_p95_s, p.kv_cache_usage_max))
-        await asyncio.sleep(max(0.0, POLL_S - (time.time() - t0)))
+            await fn()
+        next_at += interval
+        delay = next_at - time.monotonic()
+        if delay < 0:
+            next_at, delay = time.monotonic(), 0.0
+        await asyncio.sleep(delay)
 
 
 # -- the interactive spike ----------------------------------------------------------------------
