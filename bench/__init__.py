@@ -11,6 +11,7 @@ __all__ = ["BENCHMARKS"]
 # name -> "module:function"
 BENCHMARKS: dict[str, str] = {
     "autoscale": "bench.autoscale:run",
+    "gate": "bench.gate:run",
     "routing": "bench.routing:run",
     "gateway": "bench.gateway:run",
     "batch": "bench.batch:run",

@@ -9,6 +9,14 @@
   time. A pause that follows a resume within ``flap_window_s`` doubles the hold (up to
   ``max_hold_s``), so a pool whose own batch load pushes it back over the line does not flap.
 
+KV usage counts batch sequences too, so the KV seen while paused understates what resuming
+brings back: a pool whose batch share spans the hysteresis band pauses on its own batch KV,
+calms once batch has left, resumes and pauses again, all day. So the gate learns batch's share
+at each pause (the KV at the pause less the KV ``drain_s`` later, once batch has left; at most
+``max_batch_kv``) and resumes on KV only when the usage is at or below the resume threshold
+*and* the usage plus batch's share stays ``kv_margin`` (0.05) below the pause threshold. A wider
+margin pauses less often but lends fewer busy-but-not-full hours to batch.
+
 :class:`GateController` is the built-in control loop: it samples a :class:`LoadSource` every
 ``sample_interval_s`` (at most 250 ms), feeds each gate, and drives a :class:`LaneController`
 until the lane has acknowledged the gate's state. Pausing is explicit and acknowledged:
@@ -92,6 +100,9 @@ class BatchGate:
         signal_timeout_s: float = 2.0,
         flap_window_s: float | None = None,
         max_hold_s: float | None = None,
+        drain_s: float = 2.0,
+        max_batch_kv: float | None = None,
+        kv_margin: float = 0.05,
         initial: GateState = GateState.PAUSED,
     ) -> None:
         self.pool = pool
@@ -100,6 +111,13 @@ class BatchGate:
         self.signal_timeout_s = signal_timeout_s
         self.flap_window_s = flap_window_s if flap_window_s is not None else max(3 * spec.hold_s, 30.0)
         self.max_hold_s = max_hold_s if max_hold_s is not None else max(16 * spec.hold_s, spec.hold_s)
+        self.drain_s = drain_s
+        # The learned KV share of lent batch work is capped, so the gate can always reopen once
+        # interactive KV usage is low enough.
+        self.max_batch_kv = max_batch_kv if max_batch_kv is not None else spec.kv_usage_resume / 2
+        self.kv_margin = kv_margin
+        self.batch_kv = 0.0
+        self._kv_at_pause: float | None = None
         self.state = initial
         self.hold_s = spec.hold_s
         self.reason = "startup"
@@ -136,9 +154,15 @@ class BatchGate:
             if over:
                 return self._pause(now, "+".join(over), "; ".join(details))
             return None
+        if self._kv_at_pause is not None and now - self.since >= self.drain_s:
+            # Batch has left the replicas by now: what the KV usage lost is its share.
+            self.batch_kv = min(max(0.0, self._kv_at_pause - sample.kv_usage), self.max_batch_kv)
+            self._kv_at_pause = None
         calm = (
             sample.queue_wait_p95_s <= spec.queue_wait_p95_resume_s
             and sample.kv_usage <= spec.kv_usage_resume
+            # With batch back, the KV must stay clear of the pause threshold (see the docstring).
+            and sample.kv_usage + self.batch_kv <= spec.kv_usage_pause - self.kv_margin
         )
         if not calm:
             self._calm_since = None
@@ -156,6 +180,9 @@ class BatchGate:
             detail += f" (re-paused {now - self._last_resume_at:.1f} s after resuming; hold now {self.hold_s:.0f} s)"
         else:
             self.hold_s = self.spec.hold_s
+        # While open, batch ran: the KV now includes its share (measured once it has drained).
+        last = self.last_sample
+        self._kv_at_pause = last.kv_usage if self.state is GateState.OPEN and last is not None else None
         self.state = GateState.PAUSED
         self.reason = reason
         self.since = now
@@ -165,8 +192,10 @@ class BatchGate:
     def _resume(self, now: float) -> Transition:
         assert self.last_sample is not None
         s = self.last_sample
+        sp = self.spec
         detail = (
-            f"queue wait p95 <= {self.spec.queue_wait_p95_resume_s} s and KV usage <= {self.spec.kv_usage_resume} "
+            f"queue wait p95 <= {sp.queue_wait_p95_resume_s} s and KV usage <= {sp.kv_usage_resume} "
+            f"(plus batch's share {self.batch_kv:.2f} <= {sp.kv_usage_pause - self.kv_margin:.2f}) "
             f"for {self.hold_s:.1f} s (now {s.queue_wait_p95_s:.3f} s, {s.kv_usage:.3f})"
         )
         self.state = GateState.OPEN
@@ -336,6 +365,7 @@ class GateController:
                 "reason": g.reason,
                 "since": g.since,
                 "hold_s": g.hold_s,
+                "batch_kv": g.batch_kv,
                 "applied": _value(self.applied[p]),
             }
             for p, g in self.gates.items()

@@ -48,6 +48,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
+REQUEST_KINDS = ("batch", "interactive")
 SIM_VERSION = "0.33.0"  # the vLLM API version the simulator speaks
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
@@ -494,6 +495,10 @@ class SimServer:
         self.model_step_seconds = 0.0
         self.wall_step_seconds = 0.0
         self.lateness_seconds = 0.0
+        # Per kind of work (batch lines carry an X-Request-Id starting ``batch-``): arrivals and
+        # the wall time of the last one, so a benchmark can see when batch stopped coming.
+        self.arrivals = dict.fromkeys(REQUEST_KINDS, 0)
+        self.last_arrival = dict.fromkeys(REQUEST_KINDS, 0.0)
         self.routes: dict[tuple[str, str], Handler] = {
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics,
@@ -744,6 +749,9 @@ class SimServer:
         rid = headers.get("x-request-id") or body.request_id or secrets.token_hex(8)
         if len(rid) > 256:
             raise _bad_request("request_id is longer than 256 characters.", "request_id")
+        kind = _kind(rid)
+        self.arrivals[kind] += 1
+        self.last_arrival[kind] = time.time()
         return f"{prefix}-{rid}"
 
     def _start(
@@ -830,8 +838,41 @@ class SimServer:
         )
 
     def _sim_metrics(self) -> str:
-        # The simulator's own families (not vLLM's): how well the real-time loop keeps time.
+        # The simulator's own families (not vLLM's): how well the real-time loop keeps time, and
+        # requests per kind of work (batch or interactive, from the request id).
         lbl = _labels({"model_name": self.served_names[0]})
+        sched = self.engine.scheduler
+        running = dict.fromkeys(REQUEST_KINDS, 0)
+        waiting = dict.fromkeys(REQUEST_KINDS, 0)
+        for r in sched.running:
+            running[_kind(r.request_id)] += 1
+        for r in sched.waiting:
+            waiting[_kind(r.request_id)] += 1
+        kinds = "".join(
+            f"tidal_sim_requests_total{_labels({'model_name': self.served_names[0], 'kind': k})} {self.arrivals[k]}\n"
+            for k in REQUEST_KINDS
+        )
+        kinds += (
+            "# HELP tidal_sim_last_arrival_timestamp_seconds Unix time of the last request of each kind.\n"
+        )
+        kinds += "# TYPE tidal_sim_last_arrival_timestamp_seconds gauge\n"
+        kinds += "".join(
+            f"tidal_sim_last_arrival_timestamp_seconds{_labels({'model_name': self.served_names[0], 'kind': k})} "
+            f"{self.last_arrival[k]!r}\n"
+            for k in REQUEST_KINDS
+        )
+        kinds += "# HELP tidal_sim_requests_running Requests in the running batch, by kind.\n"
+        kinds += "# TYPE tidal_sim_requests_running gauge\n"
+        kinds += "".join(
+            f"tidal_sim_requests_running{_labels({'model_name': self.served_names[0], 'kind': k})} {running[k]}\n"
+            for k in REQUEST_KINDS
+        )
+        kinds += "# HELP tidal_sim_requests_waiting Requests waiting to be scheduled, by kind.\n"
+        kinds += "# TYPE tidal_sim_requests_waiting gauge\n"
+        kinds += "".join(
+            f"tidal_sim_requests_waiting{_labels({'model_name': self.served_names[0], 'kind': k})} {waiting[k]}\n"
+            for k in REQUEST_KINDS
+        )
         return (
             "# HELP tidal_sim_steps_total Engine steps run by the simulated replica.\n"
             "# TYPE tidal_sim_steps_total counter\n"
@@ -845,6 +886,8 @@ class SimServer:
             "# HELP tidal_sim_step_lateness_seconds_total How late steps ended after their deadline (model seconds).\n"
             "# TYPE tidal_sim_step_lateness_seconds_total counter\n"
             f"tidal_sim_step_lateness_seconds_total{lbl} {self.lateness_seconds!r}\n"
+            "# HELP tidal_sim_requests_total Requests received, by kind (batch: X-Request-Id batch-*).\n"
+            "# TYPE tidal_sim_requests_total counter\n" + kinds
         )
 
     async def _models(self, call: _Call) -> tuple[int, int]:
@@ -1261,6 +1304,13 @@ class SimServer:
         end = (tail + "data: [DONE]\n\n").encode()
         await send({"type": "http.response.body", "body": end, "more_body": False})
         return 200, sent + len(end)
+
+
+def _kind(request_id: str) -> str:
+    """``batch`` for the batch tier's lines (request id ``batch-...``, maybe behind a
+    ``cmpl-``/``chatcmpl-`` prefix), else ``interactive``."""
+    bare = request_id.removeprefix("chatcmpl-").removeprefix("cmpl-")
+    return "batch" if bare.startswith("batch-") else "interactive"
 
 
 def _prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

@@ -154,6 +154,39 @@ def test_re_pausing_soon_after_a_resume_doubles_the_hold_until_the_pool_stays_op
     assert gate.hold_s == 10.0
 
 
+def test_resuming_counts_the_kv_share_batch_had_so_its_own_kv_does_not_flap_the_gate() -> None:
+    # Given an open gate on a pool at KV 0.65 from users plus 0.25 from lent batch work
+    clock = ManualClock()
+    gate = open_gate(clock, drain_s=2.0, flap_window_s=0.0)
+    tr = gate.observe(GateSample(0.0, 0.9))
+    assert tr is not None and tr.reason == "kv_usage"
+    # When batch has left (KV back to the users' 0.65) and stays there
+    for _ in range(200):
+        clock.advance(0.25)
+        # Then the gate stays paused: resuming would bring it back to 0.9
+        assert gate.observe(GateSample(0.0, 0.65)) is None
+        assert gate.observe(GateSample(0.0, 0.61)) is None
+    assert gate.batch_kv == pytest.approx(0.25)
+    # And it reopens after the hold once users' KV plus batch's share stays clear of the pause
+    # line (at or below 0.9 - 0.05)
+    for _ in range(40):
+        assert gate.observe(GateSample(0.0, 0.55)) is None
+        clock.advance(0.25)
+    tr = gate.observe(GateSample(0.0, 0.55))
+    assert tr is not None and tr.to is GateState.OPEN and "0.25" in tr.detail
+
+
+def test_the_learned_batch_share_is_capped_so_the_gate_can_always_reopen() -> None:
+    clock = ManualClock()
+    gate = open_gate(clock, drain_s=1.0, max_batch_kv=0.3)
+    gate.observe(GateSample(2.0, 0.95))  # a spike: users' KV falls a lot once it passes
+    clock.advance(1.0)
+    gate.observe(GateSample(0.0, 0.05))
+    assert gate.batch_kv == pytest.approx(0.3)
+    clock.advance(SPEC.hold_s)
+    assert gate.observe(GateSample(0.0, 0.05)) is not None
+
+
 # -- the control loop -------------------------------------------------------------------------
 
 

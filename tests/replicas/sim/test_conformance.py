@@ -30,6 +30,11 @@ ALLOW_METRIC_FAMILIES = {
     "tidal_sim_step_model_seconds_total",
     "tidal_sim_step_actual_seconds_total",
     "tidal_sim_step_lateness_seconds_total",
+    # Requests by kind of work (batch lines by their request id), for the gate benchmark.
+    "tidal_sim_requests_total",
+    "tidal_sim_last_arrival_timestamp_seconds",
+    "tidal_sim_requests_running",
+    "tidal_sim_requests_waiting",
 }
 # Values that are random or depend on the build (ids, timestamps, fingerprints, generated text)
 # are never compared; only key sets and structure are.

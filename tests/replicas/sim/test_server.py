@@ -189,6 +189,33 @@ def test_metrics_page_round_trips_to_the_engine_snapshot(sim_server: Any) -> Non
     assert {"process_cpu_seconds_total", "http_requests_total", "tidal_sim_steps_total"} <= names
 
 
+def test_metrics_count_batch_and_interactive_requests_apart(sim_server: Any) -> None:
+    """Batch lines (request id ``batch-...``) are counted and timed on their own."""
+    with sim_server(preset="tiny-cpu", served_model_names=["tiny"]) as sim:
+        c = client(sim)
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        before = time.time()
+        for i in range(2):
+            c.completions.create(
+                model="tiny",
+                prompt="a batch line",
+                max_tokens=2,
+                extra_headers={"X-Request-Id": f"batch-b-q{i}"},
+            )
+        samples = {
+            (s.name, s.labels.get("kind")): s.value
+            for s in parse_samples(httpx.get(sim.url + "/metrics").text)
+            if s.name.startswith("tidal_sim_")
+        }
+    assert samples[("tidal_sim_requests_total", "batch")] == 2
+    assert samples[("tidal_sim_requests_total", "interactive")] == 1
+    assert samples[("tidal_sim_last_arrival_timestamp_seconds", "batch")] >= before
+    assert samples[("tidal_sim_last_arrival_timestamp_seconds", "interactive")] <= before
+    for kind in ("batch", "interactive"):  # all answered: nothing left running or waiting
+        assert samples[("tidal_sim_requests_running", kind)] == 0
+        assert samples[("tidal_sim_requests_waiting", kind)] == 0
+
+
 def test_error_rate_answers_500_before_any_output(sim_server: Any) -> None:
     with sim_server(preset="tiny-cpu", error_rate=1.0) as sim:
         with pytest.raises(openai.InternalServerError):
