@@ -290,7 +290,7 @@ class Proxy:
         if verdict.decision is Decision.OVERFLOW:
             await self._external(job, send)
             return
-        self.metrics.queue_wait.labels(pool, plan.class_name).observe(ticket.waited_s)
+        self.metrics.queued(pool, plan.class_name, ticket.waited_s)
         await self._serve(job, ticket, send)
 
     async def _wait(self, job: ProxyJob, ticket: Ticket) -> Verdict:
@@ -547,8 +547,12 @@ class ProxyResponse(Response):
         self.init_headers({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.job.raw_send = scope.get("tidal.send")
+        await self.watched(receive, send)
+
+    async def watched(self, receive: Receive, send: Send) -> None:
+        """Run the job, marking it disconnected when ``receive`` says the client went away."""
         job = self.job
-        job.raw_send = scope.get("tidal.send")
 
         async def watch() -> None:
             while True:
