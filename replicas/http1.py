@@ -59,6 +59,7 @@ class _Connection(asyncio.Protocol):
         self.headers: dict[str, str] = {}
         self.header_bytes = 0
         self.headers_done = False
+        self.keep_alive = False
         self.chunks: list[bytes] = []
         self.buffered = 0
         self.complete = False
@@ -99,6 +100,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()  # reset once the message completes
         self.headers_done = True
         self._wake()
 
@@ -307,7 +309,7 @@ class ConnectionPool:
                 and conn.error is None
                 and not resp.aborted
                 and not conn.closed
-                and conn.parser.should_keep_alive()
+                and conn.keep_alive
             )
         finally:
             if conn is not None:
