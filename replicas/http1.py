@@ -52,6 +52,8 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.closed = False
         self.paused = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.wait_started = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -130,6 +132,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        self.stop_timer()
         if self.transport is not None:
             self.transport.abort()
 
@@ -150,19 +153,34 @@ class _Connection(asyncio.Protocol):
         return data
 
     async def wait(self, timeout: float | None) -> None:
-        """Until the parser reports progress, the connection fails, or ``timeout`` passes."""
+        """Until the parser reports progress, the connection fails, or ``timeout`` passes.
+
+        One timer serves many waits (a token stream waits once per token): when it fires
+        during a younger wait it is set again for that wait's remaining time."""
         waiter = self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(timeout, self._timed_out) if timeout is not None else None
+        self.wait_started = self.loop.time()
+        if timeout is not None and self.timer is None:
+            self.timer = self.loop.call_later(timeout, self._check_timeout, timeout)
         try:
             await waiter
         finally:
             self.waiter = None
-            if timer is not None:
-                timer.cancel()
 
-    def _timed_out(self) -> None:
+    def _check_timeout(self, timeout: float) -> None:
+        self.timer = None
+        if self.waiter is None:
+            return  # nobody waits now; the next wait sets the timer again
+        left = self.wait_started + timeout - self.loop.time()
+        if left > 0:
+            self.timer = self.loop.call_later(left, self._check_timeout, timeout)
+            return
         self.fail(TimeoutError("no data from the replica within the read timeout"))
         self.close()
+
+    def stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 class LeanResponse:
@@ -313,6 +331,7 @@ class ConnectionPool:
             )
         finally:
             if conn is not None:
+                conn.stop_timer()
                 if reusable:
                     conn.idle_since = asyncio.get_running_loop().time()
                     self._idle.append(conn)

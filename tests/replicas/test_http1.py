@@ -116,6 +116,9 @@ async def test_refused_and_silent_replicas_fail_before_the_response() -> None:
 async def test_a_stalled_or_broken_stream_raises_a_stream_error() -> None:
     async with _serve(_stream) as (url, _):
         pool = ConnectionPool(url, read_timeout=0.2)
+        # The read timeout bounds each wait for data, not the stream: 1 s of 0.1 s gaps is fine.
+        async with pool.request("POST", "/?n=10&gap=0.1", b"") as resp:
+            assert (await resp.read()).count(b"data: ") == 10
         with pytest.raises(ReplicaStreamError):
             async with pool.request("POST", "/?n=3&gap=1", b"") as resp:
                 async for _ in resp.iter_chunks():
