@@ -9,8 +9,9 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from types import MappingProxyType
 
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
@@ -37,7 +38,7 @@ class GatewayApp(FastAPI):
     (``tidal.send``): the streaming proxy writes body chunks with it, past the middleware
     wrappers that only watch for the response start (which still goes through them)."""
 
-    fast_routes: dict[str, InferenceEndpoint]
+    fast_routes: Mapping[str, InferenceEndpoint] = MappingProxyType({})  # set by create_app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
