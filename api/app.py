@@ -9,8 +9,9 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from types import MappingProxyType
 
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
@@ -18,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from api.auth import KeyStore
 from api.batch_tier import install_batch_tier
 from api.errors import install_error_handlers
+from api.fastpath import FAST_ROUTES, InferenceEndpoint
 from api.interactive import InteractiveService
 from api.limits import BodyLimit, BodyTooLarge, body_too_large
 from api.routes import ROUTERS
@@ -30,11 +32,24 @@ __all__ = ["GatewayApp", "create_app"]
 
 
 class GatewayApp(FastAPI):
-    """FastAPI, plus the server's own ``send`` in the scope (``tidal.send``): the streaming proxy
-    writes body chunks with it, past the middleware wrappers that only watch for the response
-    start (which still goes through them)."""
+    """FastAPI, with the inference routes served ahead of it (:mod:`api.fastpath`: ``POST``
+    requests to those paths go to their :class:`~api.fastpath.InferenceEndpoint`, which hands
+    what it does not take to :meth:`full_stack`), plus the server's own ``send`` in the scope
+    (``tidal.send``): the streaming proxy writes body chunks with it, past the middleware
+    wrappers that only watch for the response start (which still goes through them)."""
+
+    fast_routes: Mapping[str, InferenceEndpoint] = MappingProxyType({})  # set by create_app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.fast_routes.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.full_stack(scope, receive, send)
+
+    async def full_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The FastAPI application with its middleware (every route, every error handler)."""
         scope["tidal.send"] = send
         await super().__call__(scope, receive, send)
 
@@ -74,4 +89,8 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
     app.add_exception_handler(BodyTooLarge, body_too_large)
     for router in ROUTERS:
         app.include_router(router)
+    app.fast_routes = {
+        path: InferenceEndpoint(path, model, state, app.full_stack, fleet.gateway.max_body_bytes)
+        for path, model in FAST_ROUTES.items()
+    }
     return app

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from api.errors import APIError
 from tidal.fleet import FleetConfig, hash_api_key
 
-__all__ = ["KeyStore", "Principal"]
+__all__ = ["KeyStore", "Principal", "bearer_principal"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +67,15 @@ class KeyStore:
         if dev_key:
             store.add_key(dev_key, Principal("dev", frozenset({"*"})))
         return store
+
+
+def bearer_principal(keys: KeyStore, authorization: str) -> Principal:
+    """The caller named by an ``Authorization: Bearer <key>`` header value; an OpenAI-shaped 401
+    (:class:`~api.errors.APIError`) when the header is missing, malformed or the key unknown."""
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+    principal = keys.lookup(key.strip())
+    if principal is None:
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    return principal

@@ -15,7 +15,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from api.auth import Principal
+from api.auth import Principal, bearer_principal
 from api.errors import APIError
 from api.interactive import InteractiveService
 from api.state import GatewayState
@@ -46,14 +46,7 @@ StateDep = Annotated[GatewayState, Depends(get_state)]
 
 async def require_principal(request: Request, state: StateDep) -> Principal:
     """The caller, from ``Authorization: Bearer <key>``; 401 (OpenAI-shaped) otherwise."""
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
-    principal = state.keys.lookup(key.strip())
-    if principal is None:
-        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-    return principal
+    return bearer_principal(state.keys, request.headers.get("authorization", ""))
 
 
 PrincipalDep = Annotated[Principal, Depends(require_principal)]

@@ -38,7 +38,7 @@ from api.errors import error_body
 from api.metrics import GatewayMetrics
 from priority.admission import Admission, Decision, Outcome, Ticket, Verdict
 from priority.features import RequestPlan
-from replicas.client import ReplicaClient, UpstreamResponse
+from replicas.client import ReplicaClient
 from replicas.errors import (
     ReplicaError,
     ReplicaServerError,
@@ -46,6 +46,7 @@ from replicas.errors import (
     ReplicaUnavailable,
     error_from_status,
 )
+from replicas.http1 import LeanResponse
 from router.adapters import AdapterManager
 from router.framework import Router
 from router.registry import ReplicaRegistry, ReplicaState
@@ -82,7 +83,7 @@ class UpstreamHandle:
     __slots__ = ("reason", "resp", "task")
 
     def __init__(self) -> None:
-        self.resp: UpstreamResponse | None = None
+        self.resp: LeanResponse | None = None
         self.task: asyncio.Task[Any] | None = None  # set while waiting for response headers
         self.reason: str | None = None
 
@@ -290,7 +291,7 @@ class Proxy:
         if verdict.decision is Decision.OVERFLOW:
             await self._external(job, send)
             return
-        self.metrics.queue_wait.labels(pool, plan.class_name).observe(ticket.waited_s)
+        self.metrics.queued(pool, plan.class_name, ticket.waited_s)
         await self._serve(job, ticket, send)
 
     async def _wait(self, job: ProxyJob, ticket: Ticket) -> Verdict:
@@ -407,13 +408,7 @@ class Proxy:
                 handle.task = asyncio.current_task()
                 try:
                     resp = await stack.enter_async_context(
-                        target.client.open(
-                            "POST",
-                            job.path,
-                            body=body,
-                            headers={"X-Request-Id": job.request_id},
-                            raise_for_status=False,
-                        )
+                        target.client.forward(job.path, body, {"X-Request-Id": job.request_id})
                     )
                 except asyncio.CancelledError:
                     task = asyncio.current_task()
@@ -481,7 +476,7 @@ class Proxy:
                 self.slot_freed(state.pool)
 
     async def _stream(
-        self, job: ProxyJob, resp: UpstreamResponse, send: Send, may_retry: bool, target: _Target
+        self, job: ProxyJob, resp: LeanResponse, send: Send, may_retry: bool, target: _Target
     ) -> tuple[float | None, bool]:
         """Hold the stream until its first token, then pass it through. Raises before anything was
         sent; returns ``(tpot, failed)`` once the client's stream has ended."""
@@ -547,8 +542,12 @@ class ProxyResponse(Response):
         self.init_headers({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.job.raw_send = scope.get("tidal.send")
+        await self.watched(receive, send)
+
+    async def watched(self, receive: Receive, send: Send) -> None:
+        """Run the job, marking it disconnected when ``receive`` says the client went away."""
         job = self.job
-        job.raw_send = scope.get("tidal.send")
 
         async def watch() -> None:
             while True:

@@ -1,13 +1,22 @@
 """``tidal bench gateway``: what the gateway adds to a streamed request, against a Rust peer.
 
-One simulated replica (``tidal sim --preset fast-test``: about 1 ms per engine step) is reached
-three ways, in the same run and in turn: **direct**, through **tidal** (``tidal gateway`` as its
-own process: auth, feature policy, admission, the ``tidal`` router profile, the streaming proxy,
-metrics) and through **vllm-router** (the Rust router from PyPI, policy ``consistent_hash``, the
-closest to Tidal's prefix ring). At each concurrency (64 and 256 streams) closed-loop clients
-stream chat completions of ``--tokens`` tokens; the rows give TTFT p50/p99 (to the first content
-token), streamed tokens per second, the TTFT added over direct, and the proxy's CPU time, so
-``tokens_per_cpu_s`` is streamed tokens per second per core of the proxy.
+One simulated replica (``tidal sim --preset fast-test``) is reached three ways, in the same run
+and in turn: **direct**, through **tidal** (``tidal gateway`` as its own process: auth, feature
+policy, admission, the ``tidal`` router profile, the streaming proxy, metrics) and through
+**vllm-router** (the Rust router from PyPI, policy ``consistent_hash``, the closest to Tidal's
+prefix ring). Closed-loop clients stream chat completions of ``--tokens`` tokens; the rows give
+TTFT p50/p99 (to the first content token), streamed tokens per second, the TTFT added over
+direct, and the proxy's CPU time, so ``tokens_per_cpu_s`` is streamed tokens per second per core
+of the proxy. Two modes, each row saying which (``mode``):
+
+* ``saturated`` -- the replica at full speed (about 1 ms per engine step) and clients that start
+  their next request at once, at 64 and 256 streams: the replica, proxy and load generator
+  saturate the machine's cores together, so this measures throughput per proxy core and the
+  latency of a proxy competing for CPU, not its per-request cost.
+* ``latency`` -- 64 streams the machine can carry: the replica paced like a GPU decode step
+  (``--time-scale 0.1``: about 10 ms per step, 100 tokens/s per stream) and a random think time
+  (up to ``--think-ms``) before each request, so requests arrive at random points of the
+  replica's step. Here the added TTFT is the proxy's own per-request cost.
 
 Everything shares this machine's cores (the simulated replica, the proxy, the load generator):
 the figures compare the targets with each other in one run, not with a dedicated deployment.
@@ -15,7 +24,8 @@ the figures compare the targets with each other in one run, not with a dedicated
 Example::
 
     tidal bench gateway --quick
-    tidal bench gateway --concurrency 64,256 --seconds 20 --tokens 128
+    tidal bench gateway --mode latency --latency-concurrency 64 --seconds 20
+    tidal bench gateway --mode saturated --concurrency 64,256 --seconds 20 --tokens 128
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -45,6 +56,7 @@ __all__ = ["run"]
 
 KEY = "bench-gateway-key-0123456789"
 MODEL = "sim"
+MODES = ("saturated", "latency")
 
 
 @dataclass
@@ -86,11 +98,15 @@ def _fleet(sim_url: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _services(workdir: Path) -> Iterator[list[_Target]]:
+def _services(workdir: Path, time_scale: float = 1.0) -> Iterator[list[_Target]]:
     procs: list[ReplicaProcess] = []
+    workdir.mkdir(parents=True, exist_ok=True)
     try:
         sim = sim_process(
-            "fast-test", args=["--served-model-name", MODEL], log_path=workdir / "sim.log", name="sim"
+            "fast-test",
+            args=["--served-model-name", MODEL, "--time-scale", f"{time_scale:g}"],
+            log_path=workdir / "sim.log",
+            name="sim",
         )
         procs.append(sim.start())
         sim.wait_ready(60)
@@ -155,9 +171,13 @@ async def _client(
     ttfts: list[float],
     counted: list[int],
     worker: int,
+    think_s: float,
 ) -> None:
     i = 0
+    rng = random.Random(worker)
     while time.perf_counter() < deadline:
+        if think_s > 0:
+            await asyncio.sleep(rng.uniform(0.0, think_s))
         body = {
             "model": MODEL,
             "messages": [{"role": "user", "content": f"client {worker} request {i}: tell me a story"}],
@@ -188,7 +208,7 @@ async def _client(
 
 
 async def _measure(
-    target: _Target, concurrency: int, seconds: float, warmup: float, tokens: int
+    target: _Target, concurrency: int, seconds: float, warmup: float, tokens: int, think_s: float = 0.0
 ) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
     ttfts: list[float] = []
@@ -209,7 +229,7 @@ async def _measure(
         marker = asyncio.ensure_future(mark_cpu())
         await asyncio.gather(
             *(
-                _client(session, target, tokens, deadline, warmup_end, ttfts, counted, w)
+                _client(session, target, tokens, deadline, warmup_end, ttfts, counted, w, think_s)
                 for w in range(concurrency)
             )
         )
@@ -235,41 +255,65 @@ def run(
     seconds: str | float | None = None,
     tokens: str | int = 64,
     rounds: str | int | None = None,
+    mode: str = ",".join(MODES),
+    latency_concurrency: str = "64",
+    time_scale: str | float = 0.1,
+    think_ms: str | float = 50,
     **_: Any,
 ) -> list[dict[str, Any]]:
-    """Rows: ``target``, ``concurrency``, ``ttft_p50_s``, ``ttft_p99_s``, ``tokens_per_s``, plus
-    the TTFT added over direct and the proxy's CPU use (medians over rounds)."""
-    levels = [int(x) for x in str(concurrency).split(",")]
+    """Rows: ``target``, ``concurrency``, ``mode``, ``ttft_p50_s``, ``ttft_p99_s``,
+    ``tokens_per_s``, plus the TTFT added over direct and the proxy's CPU use (medians over
+    rounds). ``concurrency`` is the saturated mode's levels, ``latency_concurrency`` the latency
+    mode's; ``time_scale`` paces the latency mode's replica, ``think_ms`` bounds its think time."""
+    modes = [m.strip() for m in str(mode).split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            raise click.UsageError(f"unknown mode '{m}' (known: {', '.join(MODES)})")
     secs = float(seconds) if seconds is not None else (6.0 if quick else 15.0)
     n_rounds = int(rounds) if rounds is not None else (1 if quick else 3)
     n_tokens = int(tokens)
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="tidal-bench-gw-") as tmp, _services(Path(tmp)) as targets:
-        click.echo(
-            f"one simulated replica (fast-test), {n_tokens}-token streams, {secs:g} s per measurement, "
-            f"{n_rounds} round(s); targets: {', '.join(t.name for t in targets)}"
-        )
-        for level in levels:
-            samples: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
-            for _round in range(n_rounds):
-                for target in targets:  # interleaved, so drift hits every target alike
-                    samples[target.name].append(
-                        asyncio.run(_measure(target, level, secs, min(2.0, secs / 3), n_tokens))
-                    )
-            for target in targets:
-                got = samples[target.name]
-                row = {
-                    key: _median([g[key] for g in got]) if isinstance(got[0][key], float) else got[0][key]
-                    for key in got[0]
-                }
-                row["requests"] = sum(g["requests"] for g in got)
-                rows.append(row)
-            direct = next(r for r in rows if r["target"] == "direct" and r["concurrency"] == level)
-            for r in rows:
-                if r["concurrency"] == level:
-                    r["added_ttft_p50_s"] = r["ttft_p50_s"] - direct["ttft_p50_s"]
-                    r["added_ttft_p99_s"] = r["ttft_p99_s"] - direct["ttft_p99_s"]
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-gw-") as tmp:
+        for m in modes:
+            saturated = m == "saturated"
+            levels = [int(x) for x in str(concurrency if saturated else latency_concurrency).split(",")]
+            scale = 1.0 if saturated else float(time_scale)
+            think_s = 0.0 if saturated else float(think_ms) / 1000
+            with _services(Path(tmp) / m, scale) as targets:
+                click.echo(
+                    f"{m}: one simulated replica (fast-test, time scale {scale:g}), {n_tokens}-token "
+                    f"streams, think time up to {think_s * 1000:g} ms, {secs:g} s per measurement, "
+                    f"{n_rounds} round(s); targets: {', '.join(t.name for t in targets)}"
+                )
+                for level in levels:
+                    rows += _level(targets, m, level, secs, n_rounds, n_tokens, think_s)
     _print(rows)
+    return rows
+
+
+def _level(
+    targets: list[_Target], mode: str, level: int, secs: float, n_rounds: int, n_tokens: int, think_s: float
+) -> list[dict[str, Any]]:
+    samples: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+    for _round in range(n_rounds):
+        for target in targets:  # interleaved, so drift hits every target alike
+            samples[target.name].append(
+                asyncio.run(_measure(target, level, secs, min(2.0, secs / 3), n_tokens, think_s))
+            )
+    rows: list[dict[str, Any]] = []
+    for target in targets:
+        got = samples[target.name]
+        row = {
+            key: _median([g[key] for g in got]) if isinstance(got[0][key], float) else got[0][key]
+            for key in got[0]
+        }
+        row["mode"] = mode
+        row["requests"] = sum(g["requests"] for g in got)
+        rows.append(row)
+    direct = next(r for r in rows if r["target"] == "direct")
+    for r in rows:
+        r["added_ttft_p50_s"] = r["ttft_p50_s"] - direct["ttft_p50_s"]
+        r["added_ttft_p99_s"] = r["ttft_p99_s"] - direct["ttft_p99_s"]
     return rows
 
 
@@ -281,12 +325,13 @@ def _median(values: list[Any]) -> Any:
 def _print(rows: list[dict[str, Any]]) -> None:
     from tidal.cli.bench import print_table
 
-    peer = {r["concurrency"]: r for r in rows if r["target"] == "vllm-router"}
+    peer = {(r["mode"], r["concurrency"]): r for r in rows if r["target"] == "vllm-router"}
     table = []
     for r in rows:
-        p = peer.get(r["concurrency"])
+        p = peer.get((r["mode"], r["concurrency"]))
         table.append(
             {
+                "mode": r["mode"],
                 "target": r["target"],
                 "streams": r["concurrency"],
                 "ttft_p50_ms": f"{r['ttft_p50_s'] * 1000:.1f}",

@@ -9,8 +9,9 @@ Example::
         snap = await replica.load_snapshot()
 
 Failures raise the typed errors of :mod:`replicas.errors`, which say whether another replica may
-take the same request. :meth:`ReplicaClient.open` is the raw primitive the gateway's proxy uses:
-it gives the status and an iterator of the upstream bytes, untouched.
+take the same request. :meth:`ReplicaClient.open` is the raw primitive: it gives the status and
+an iterator of the upstream bytes, untouched; :meth:`ReplicaClient.forward` is the same for the
+gateway's proxy on a leaner connection pool (:mod:`replicas.http1`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from replicas.errors import (
     ReplicaUnavailable,
     error_from_status,
 )
+from replicas.http1 import ConnectionPool, LeanResponse
 from replicas.metrics import LoadSnapshot, parse_load_snapshot
 
 __all__ = ["ReplicaClient", "UpstreamResponse", "iter_sse_events"]
@@ -116,6 +118,9 @@ class ReplicaClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._pool_size = pool_size
         self._keepalive_s = keepalive_s
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._lean: ConnectionPool | None = None
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
         self._session: aiohttp.ClientSession | None = None
 
@@ -137,6 +142,9 @@ class ReplicaClient:
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
+        if self._lean is not None:
+            await self._lean.close()
+            self._lean = None
 
     async def __aenter__(self) -> ReplicaClient:
         return self
@@ -183,6 +191,27 @@ class ReplicaClient:
         finally:
             resp.release()
             await cm.__aexit__(None, None, None)
+
+    @asynccontextmanager
+    async def forward(
+        self, path: str, body: bytes, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[LeanResponse]:
+        """The gateway proxy's primitive: ``POST`` a JSON ``body`` on a lean keep-alive
+        connection (:mod:`replicas.http1`) and hold the response open, whatever its status.
+        Failures before the response headers raise :class:`~replicas.errors.ReplicaUnavailable`
+        or :class:`~replicas.errors.ReplicaTimeout`."""
+        if self._lean is None:
+            self._lean = ConnectionPool(
+                self.base_url,
+                name=self.name,
+                limit=self._pool_size,
+                keepalive_s=self._keepalive_s,
+                connect_timeout=self._connect_timeout,
+                read_timeout=self._read_timeout,
+                headers={**self._headers, "Content-Type": "application/json"},
+            )
+        async with self._lean.request("POST", path, body, headers) as resp:
+            yield resp
 
     async def _error(self, resp: aiohttp.ClientResponse) -> ReplicaError:
         try:

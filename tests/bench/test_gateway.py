@@ -12,11 +12,19 @@ pytestmark = pytest.mark.slow
 
 
 def test_rows_for_each_target_and_concurrency(tmp_path: Path) -> None:
-    rows = run(quick=True, out_dir=tmp_path, concurrency="4", seconds="1.5", tokens="8")
-    targets = {r["target"] for r in rows}
-    assert {"direct", "tidal"} <= targets  # vllm-router too when installed (the bench extra)
+    rows = run(
+        quick=True, out_dir=tmp_path, concurrency="4", latency_concurrency="4", seconds="1.5", tokens="8"
+    )
+    assert {r["mode"] for r in rows} == {"saturated", "latency"}
+    for mode in ("saturated", "latency"):
+        targets = {r["target"] for r in rows if r["mode"] == mode}
+        assert {"direct", "tidal"} <= targets  # vllm-router too when installed (the bench extra)
     for r in rows:
         assert {"target", "concurrency", "ttft_p50_s", "ttft_p99_s", "tokens_per_s"} <= set(r)
+        assert {"mode", "added_ttft_p50_s", "tokens_per_cpu_s"} <= set(r)
         assert r["concurrency"] == 4 and r["requests"] > 0 and r["tokens_per_s"] > 0
-    tidal = next(r for r in rows if r["target"] == "tidal")
-    assert tidal["proxy_cpu_s"] > 0 and tidal["ttft_p50_s"] > 0
+    for tidal in (r for r in rows if r["target"] == "tidal"):
+        assert tidal["proxy_cpu_s"] > 0 and tidal["ttft_p50_s"] > 0 and tidal["tokens_per_cpu_s"] > 0
+    # The latency mode's replica is paced (about 10 ms steps): its streams are slower.
+    direct = {r["mode"]: r for r in rows if r["target"] == "direct"}
+    assert direct["latency"]["tokens_per_s"] < direct["saturated"]["tokens_per_s"]

@@ -1,0 +1,210 @@
+"""The proxy's lean HTTP/1.1 pool against a real aiohttp server on a socket: streaming, reuse,
+limits, timeouts, aborts and broken connections."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+from aiohttp import web
+
+from replicas.errors import ReplicaStreamError, ReplicaTimeout, ReplicaUnavailable
+from replicas.http1 import ConnectionPool
+from replicas.launcher import free_port
+
+pytestmark = pytest.mark.anyio
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _Server:
+    def __init__(self) -> None:
+        self.peers: set[int] = set()
+        self.inflight = 0
+        self.most_inflight = 0
+        self.disconnects = 0
+        self.seen_headers: list[dict[str, str]] = []
+
+
+@asynccontextmanager
+async def _serve(handler: Handler) -> AsyncIterator[tuple[str, _Server]]:
+    server = _Server()
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        if peer:
+            server.peers.add(peer[1])
+        server.seen_headers.append({k.lower(): v for k, v in request.headers.items()})
+        server.inflight += 1
+        server.most_inflight = max(server.most_inflight, server.inflight)
+        try:
+            return await handler(request)
+        except (ConnectionResetError, asyncio.CancelledError):
+            server.disconnects += 1
+            raise
+        finally:
+            server.inflight -= 1
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", wrapped)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        await runner.cleanup()
+
+
+async def _stream(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    n = int(request.query.get("n", "3"))
+    for i in range(n):
+        await resp.write(f"data: {i}\n\n".encode())
+        await asyncio.sleep(float(request.query.get("gap", "0.01")))
+    await resp.write_eof()
+    return resp
+
+
+async def test_streams_reuse_connections_and_pass_headers() -> None:
+    async with _serve(_stream) as (url, server):
+        pool = ConnectionPool(url + "/base", headers={"Authorization": "Bearer k"})
+        for _ in range(3):
+            async with pool.request("POST", "/v1/x?n=4", b'{"a": 1}', {"X-Request-Id": "r1"}) as resp:
+                assert resp.status == 200 and resp.headers["content-type"] == "text/event-stream"
+                pieces = [p async for p in resp.iter_chunks()]
+            assert b"".join(pieces) == b"".join(f"data: {i}\n\n".encode() for i in range(4))
+            assert len(pieces) >= 2  # delivered as it arrives, not at the end
+        assert len(server.peers) == 1  # one keep-alive connection for all three
+        h = server.seen_headers[-1]
+        assert h["authorization"] == "Bearer k" and h["x-request-id"] == "r1" and h["content-length"] == "8"
+        assert h["host"] == url.removeprefix("http://")
+        await pool.close()
+
+
+async def test_error_statuses_are_returned_with_their_body() -> None:
+    async def refuse(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "no"}}, status=429)
+
+    async with _serve(refuse) as (url, _):
+        pool = ConnectionPool(url)
+        async with pool.request("POST", "/v1/x", b"{}") as resp:
+            assert resp.status == 429 and await resp.read() == b'{"error": {"message": "no"}}'
+        await pool.close()
+
+
+async def test_refused_and_silent_replicas_fail_before_the_response() -> None:
+    with pytest.raises(ReplicaUnavailable):
+        async with ConnectionPool(f"http://127.0.0.1:{free_port()}").request("POST", "/", b""):
+            pass
+
+    async def silent(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(5)
+        return web.Response()
+
+    async with _serve(silent) as (url, _):
+        with pytest.raises(ReplicaTimeout):
+            async with ConnectionPool(url, read_timeout=0.2).request("POST", "/", b""):
+                pass
+
+
+async def test_a_stalled_or_broken_stream_raises_a_stream_error() -> None:
+    async with _serve(_stream) as (url, _):
+        pool = ConnectionPool(url, read_timeout=0.2)
+        # The read timeout bounds each wait for data, not the stream: 1 s of 0.1 s gaps is fine.
+        async with pool.request("POST", "/?n=10&gap=0.1", b"") as resp:
+            assert (await resp.read()).count(b"data: ") == 10
+        with pytest.raises(ReplicaStreamError):
+            async with pool.request("POST", "/?n=3&gap=1", b"") as resp:
+                async for _ in resp.iter_chunks():
+                    pass
+
+    async def breaks(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"data: 0\n\n")
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    async with _serve(breaks) as (url, _):
+        got: list[bytes] = []
+        with pytest.raises(ReplicaStreamError):
+            async with ConnectionPool(url).request("POST", "/", b"") as resp:
+                async for piece in resp.iter_chunks():
+                    got.append(piece)
+        assert b"".join(got) == b"data: 0\n\n"
+
+
+async def test_abort_closes_the_connection_so_the_replica_sees_the_client_go() -> None:
+    async with _serve(_stream) as (url, server):
+        pool = ConnectionPool(url)
+        with pytest.raises(ReplicaStreamError):
+            async with pool.request("POST", "/?n=100&gap=0.02", b"") as resp:
+                async for _ in resp.iter_chunks():
+                    resp.abort()
+        for _ in range(100):
+            if server.disconnects:
+                break
+            await asyncio.sleep(0.02)
+        assert server.disconnects == 1
+        # A response left unread also closes its connection: the next request opens a new one.
+        async with pool.request("POST", "/?n=50&gap=0.02", b"") as resp:
+            pass
+        async with pool.request("POST", "/?n=1", b"") as resp:
+            assert await resp.read() == b"data: 0\n\n"
+        assert len(server.peers) == 3
+        await pool.close()
+
+
+async def test_at_most_limit_requests_at_once() -> None:
+    async with _serve(_stream) as (url, server):
+        pool = ConnectionPool(url, limit=2)
+
+        async def one() -> bytes:
+            async with pool.request("POST", "/?n=3&gap=0.05", b"") as resp:
+                return await resp.read()
+
+        bodies = await asyncio.gather(*(one() for _ in range(5)))
+        assert all(b == b"data: 0\n\ndata: 1\n\ndata: 2\n\n" for b in bodies)
+        assert server.most_inflight == 2
+        await pool.close()
+
+
+async def test_an_unread_body_stops_reading_above_the_high_water_mark() -> None:
+    async def flood(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for _ in range(64):  # 4 MiB
+            await resp.write(b"x" * 65536)
+        await resp.write_eof()
+        return resp
+
+    async with _serve(flood) as (url, _):
+        pool = ConnectionPool(url)
+        async with pool.request("POST", "/", b"") as resp:
+            await asyncio.sleep(0.5)  # the server writes as fast as it can; nobody reads
+            buffered = resp._conn.buffered  # what the pool holds for the reader
+            assert 0 < buffered <= 512 * 1024
+            total = 0
+            async for piece in resp.iter_chunks():
+                total += len(piece)
+        assert total == 64 * 65536
+        await pool.close()
+
+
+async def test_requests_cannot_be_split_by_injected_line_breaks() -> None:
+    pool = ConnectionPool("http://127.0.0.1:9")
+    with pytest.raises(ValueError):
+        async with pool.request("POST", "/", b"", {"X-Request-Id": "a\r\nHost: evil"}):
+            pass
+    with pytest.raises(ValueError):
+        async with pool.request("POST", "/x HTTP/1.1\r\nX: y", b""):
+            pass
+    with pytest.raises(ValueError):
+        ConnectionPool("file:///etc/passwd")
