@@ -58,6 +58,14 @@ class ReplicaView:
     def free_slots(self) -> int:
         return max(0, self.cap - self.inflight)
 
+    def kv_blocks(self, block_tokens: int) -> int | None:
+        """Blocks of ``block_tokens`` this replica's KV cache holds, from its scraped
+        ``cache_config_info``; ``None`` before the first scrape that reports it."""
+        snap = self.snapshot
+        if snap is None or not snap.num_gpu_blocks or not snap.block_size:
+            return None
+        return max(1, snap.num_gpu_blocks * snap.block_size // max(1, block_tokens))
+
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:

@@ -90,10 +90,8 @@ class ApproxPrefixIndex:
         return cls(name, parse_params(IndexParams, INDEX_TYPE, name, params))
 
     def _capacity(self, replica: ReplicaView, block_tokens: int) -> int:
-        snap = replica.snapshot
-        if snap is not None and snap.num_gpu_blocks and snap.block_size:
-            return max(1, snap.num_gpu_blocks * snap.block_size // max(1, block_tokens))
-        return self.params.lru_capacity_per_server
+        blocks = replica.kv_blocks(block_tokens)
+        return blocks if blocks is not None else self.params.lru_capacity_per_server
 
     def produce(
         self,

@@ -88,12 +88,10 @@ class KVIndex:
 
     def capacity(self, replica: ReplicaView, block_tokens: int) -> int:
         """Blocks of ``block_tokens`` the replica's KV cache holds (bounded by the parameters)."""
-        snap = replica.snapshot
-        if snap is not None and snap.num_gpu_blocks and snap.block_size:
-            tokens = snap.num_gpu_blocks * snap.block_size
-        else:
-            tokens = self.params.capacity_tokens
-        return max(1, min(self.params.max_blocks_per_replica, tokens // max(1, block_tokens)))
+        blocks = replica.kv_blocks(block_tokens)
+        if blocks is None:
+            blocks = max(1, self.params.capacity_tokens // max(1, block_tokens))
+        return min(self.params.max_blocks_per_replica, blocks)
 
     def produce(
         self,
