@@ -19,12 +19,14 @@ the other two parts of a pause; the scheduler does all three::
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
+from kombu.exceptions import OperationalError
 
 from batch_jobs.store import Store, set_lane_paused, worker_paused_lanes, workers_of_lane
 from priority.queues import Topology, is_amqp, publish_lane_control
@@ -32,6 +34,8 @@ from tidal.settings import Settings
 from workers.runtime import governed_queues, lane_of_hostname
 
 __all__ = ["LaneSwitch", "PauseAck", "discover_workers", "pause_lane", "resume_lane"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -183,7 +187,18 @@ class LaneSwitch:
             publish_lane_control(
                 lane, "pause" if pause else "resume", url=self.settings.broker_url, topology=self.topology
             )
-            ack = _switch(self.app, lane, pause=pause, workers=hosts, topology=self.topology, timeout=timeout)
+            try:
+                ack = _switch(
+                    self.app, lane, pause=pause, workers=hosts, topology=self.topology, timeout=timeout
+                )
+            except (OSError, OperationalError) as exc:
+                # A pooled broker connection the broker has since dropped (e.g. after a restart):
+                # start afresh once; a second failure is the caller's to retry.
+                log.warning("lane %s: broker connection lost (%s); reconnecting", lane, exc)
+                self.app.pool.force_close_all()
+                ack = _switch(
+                    self.app, lane, pause=pause, workers=hosts, topology=self.topology, timeout=timeout
+                )
             ack.elapsed_s = time.monotonic() - t0
             return ack
         # No remote control: wait until every live worker of the lane reports the new state.
