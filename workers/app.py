@@ -79,5 +79,9 @@ def make_worker_app(runtime: WorkerRuntime) -> Celery:
 
 
 def control_app(settings: Settings) -> Celery:
-    """An app for remote control and monitoring (pause/resume, Flower): the shared settings."""
-    return producer_app(settings, name="tidal-control")
+    """An app for remote control and monitoring (pause/resume, Flower): the shared settings,
+    without AMQP heartbeats: nothing beats for this app's pooled connections between two rare
+    commands, so with them the broker would close every connection left idle for a few beats."""
+    app = producer_app(settings, name="tidal-control")
+    app.conf.broker_heartbeat = 0
+    return app

@@ -192,10 +192,10 @@ class LaneSwitch:
                     self.app, lane, pause=pause, workers=hosts, topology=self.topology, timeout=timeout
                 )
             except (OSError, OperationalError) as exc:
-                # A pooled broker connection the broker has since dropped (e.g. after a restart):
-                # start afresh once; a second failure is the caller's to retry.
+                # The broker dropped a pooled connection (a restart, a half-open TCP): start again
+                # on a fresh app once; a second failure is the caller's to retry.
                 log.warning("lane %s: broker connection lost (%s); reconnecting", lane, exc)
-                self.app.pool.force_close_all()
+                self._reconnect()
                 ack = _switch(
                     self.app, lane, pause=pause, workers=hosts, topology=self.topology, timeout=timeout
                 )
@@ -212,6 +212,13 @@ class LaneSwitch:
                     lane, "pause" if pause else "resume", hosts, not wrong, wrong, time.monotonic() - t0
                 )
             time.sleep(0.1)
+
+    def _reconnect(self) -> None:
+        from workers.app import control_app
+
+        if self.app is not None:
+            self.app.close()
+        self.app = control_app(self.settings)
 
     def close(self) -> None:
         if self.app is not None:

@@ -148,4 +148,4 @@ def test_the_cap_holds_tpot_p95_under_the_slo(vllm_pair: list, tmp_path: Path) -
     assert adapted[1].count >= 50 and pinned[1].count >= 50, facts
     assert _share_within(pinned[1], SLO) < 0.95, facts
     assert all(c < 64 for c in caps), facts
-    assert _share_within(adapted[1], SLO) >= max(0.85, _share_within(pinned[1], SLO) + 0.2), facts
+    assert _share_within(adapted[1], SLO) >= max(0.85, min(0.95, _share_within(pinned[1], SLO) + 0.1)), facts
