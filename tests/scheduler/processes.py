@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -24,6 +25,14 @@ __all__ = ["Traffic", "sim_replicas"]
 
 
 @contextlib.contextmanager
+def write_eval_files(directory: Path, items: Sequence[tuple[str, str]]) -> tuple[Path, Path]:
+    """An eval set (``prompt``/``reference``) and the simulator's answer key for it."""
+    dataset, key = directory / "eval.jsonl", directory / "answers.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p, "reference": a}) + "\n" for p, a in items))
+    key.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in items))
+    return dataset, key
+
+
 def sim_replicas(log_dir: Path, args: Mapping[str, Sequence[str]]) -> Iterator[dict[str, ReplicaProcess]]:
     """``tidal sim`` replicas serving ``tiny`` (preset fast-test), one per name, started together."""
     procs = {

@@ -10,7 +10,6 @@ A stable build answers the eval set right; a canary build is registered at run t
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ from tests.batch_tier import (
     require_rabbitmq,
     tiny_fleet,
 )
-from tests.scheduler.processes import Traffic, sim_replicas
+from tests.scheduler.processes import Traffic, sim_replicas, write_eval_files
 from tidal.clock import SystemClock
 
 pytestmark = pytest.mark.anyio
@@ -64,11 +63,7 @@ BUILDS = {
 
 @pytest.fixture(scope="module")
 def eval_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    d = tmp_path_factory.mktemp("canary-eval")
-    dataset, key = d / "eval.jsonl", d / "answers.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt": p, "reference": a}) + "\n" for p, a in ITEMS))
-    key.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in ITEMS))
-    return dataset, key
+    return write_eval_files(tmp_path_factory.mktemp("canary-eval"), ITEMS)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ in-memory list of them (what ``GET /admin/replicas`` would answer).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from tests.batch_tier import (
     require_rabbitmq,
     tiny_fleet,
 )
-from tests.scheduler.processes import sim_replicas
+from tests.scheduler.processes import sim_replicas, write_eval_files
 
 pytestmark = pytest.mark.anyio
 
@@ -44,11 +43,7 @@ class Listing:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    d = tmp_path_factory.mktemp("evals")
-    dataset, key = d / "eval.jsonl", d / "key.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt": p, "reference": a}) + "\n" for p, a in ITEMS))
-    key.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in ITEMS))
-    return dataset, key
+    return write_eval_files(tmp_path_factory.mktemp("evals"), ITEMS)
 
 
 @pytest.fixture(scope="module")
