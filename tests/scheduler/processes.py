@@ -24,7 +24,6 @@ from tests.api.harness import DEV_KEY, Gateway
 __all__ = ["Traffic", "sim_replicas"]
 
 
-@contextlib.contextmanager
 def write_eval_files(directory: Path, items: Sequence[tuple[str, str]]) -> tuple[Path, Path]:
     """An eval set (``prompt``/``reference``) and the simulator's answer key for it."""
     dataset, key = directory / "eval.jsonl", directory / "answers.jsonl"
@@ -33,6 +32,7 @@ def write_eval_files(directory: Path, items: Sequence[tuple[str, str]]) -> tuple
     return dataset, key
 
 
+@contextlib.contextmanager
 def sim_replicas(log_dir: Path, args: Mapping[str, Sequence[str]]) -> Iterator[dict[str, ReplicaProcess]]:
     """``tidal sim`` replicas serving ``tiny`` (preset fast-test), one per name, started together."""
     procs = {
