@@ -37,6 +37,7 @@ __all__ = [
     "postgres_database",
     "require_postgres",
     "require_rabbitmq",
+    "running_tier",
     "tiny_fleet",
     "wait_for",
 ]
@@ -255,6 +256,21 @@ class BatchTier:
 
             with contextlib.suppress(Exception):
                 delete_topology(self.broker_url, Topology(self.namespace))
+
+
+@contextlib.contextmanager
+def running_tier(root: Path, database_url: str, fleet: dict[str, Any], **kw: Any) -> Iterator[BatchTier]:
+    """A :class:`BatchTier` with its fleet written and its queues declared on RabbitMQ; its
+    workers stopped and its queues deleted on exit."""
+    from priority.queues import Topology, declare_topology
+
+    t = BatchTier(root=root, database_url=database_url, fleet=fleet, **kw)
+    t.write_fleet()
+    declare_topology(t.broker_url, Topology(t.namespace))
+    try:
+        yield t
+    finally:
+        t.close()
 
 
 def openai_client(tc: Any, key: str = "key-a") -> Any:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from priority.queues import Topology, declare_topology
 from replicas.launcher import ReplicaProcess
 from replicas.words import COMMON_WORDS
 from scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
@@ -24,11 +23,10 @@ from scheduler.evals import JobEvalRunner, ReplicaEvalRunner
 from scheduler.gateway import GatewayAdmin
 from tests.api.harness import ADMIN_KEY, Gateway, fleet_dict, run_gateway
 from tests.batch_tier import (
-    RABBIT_URL,
-    BatchTier,
     postgres_database,
     require_postgres,
     require_rabbitmq,
+    running_tier,
     tiny_fleet,
 )
 from tests.scheduler.processes import Traffic, sim_replicas, write_eval_files
@@ -214,31 +212,25 @@ async def test_the_eval_can_run_as_an_eval_job_of_the_batch_tier(
         {"name": "canary-0", "url": builds["wrong"].url, "group": "canary", "weight": 0.0},
     ]
     fleet["features"]["default"] = {"class": "interactive", "context_cap": 4096}  # users' requests
-    with postgres_database() as db:
-        tier = BatchTier(root=tmp_path, database_url=db, fleet=fleet)
-        tier.write_fleet()
-        declare_topology(RABBIT_URL, Topology(tier.namespace))
-        try:
-            tier.start_worker("reserved", concurrency=4)
-            with run_gateway(tmp_path, fleet, env=tier.env()) as gw:
-                jobs = JobEvalRunner(
-                    gw.url,
-                    admin_key=ADMIN_KEY,
-                    dataset=eval_files[0],
-                    models={"interactive": "tiny"},
-                    options=EVAL_OPTIONS,
-                    poll_s=0.5,
-                    timeout_s=25,
-                )
-                # When the controller scores the groups with eval jobs
-                t0 = time.monotonic()
-                ctl, _, traffic, _ = await _rollout(gw, None, eval_files[0], evals=jobs)
-                took = time.monotonic() - t0
-                async with GatewayAdmin([gw.url], admin_key=ADMIN_KEY) as admin:
-                    views = await admin.replicas()
-                    weights = {v.name: v.weight for v in views if v.pool == "interactive"}
-        finally:
-            tier.close()
+    with postgres_database() as db, running_tier(tmp_path, db, fleet) as tier:
+        tier.start_worker("reserved", concurrency=4)
+        with run_gateway(tmp_path, fleet, env=tier.env()) as gw:
+            jobs = JobEvalRunner(
+                gw.url,
+                admin_key=ADMIN_KEY,
+                dataset=eval_files[0],
+                models={"interactive": "tiny"},
+                options=EVAL_OPTIONS,
+                poll_s=0.5,
+                timeout_s=25,
+            )
+            # When the controller scores the groups with eval jobs
+            t0 = time.monotonic()
+            ctl, _, traffic, _ = await _rollout(gw, None, eval_files[0], evals=jobs)
+            took = time.monotonic() - t0
+            async with GatewayAdmin([gw.url], admin_key=ADMIN_KEY) as admin:
+                views = await admin.replicas()
+                weights = {v.name: v.weight for v in views if v.pool == "interactive"}
     # Then the worse build is rolled back on the jobs' scores
     assert ctl.state is CanaryState.ROLLED_BACK and ctl.reason.startswith("eval_score:"), ctl.reason
     assert ctl.eval_scores is not None and ctl.eval_scores[0] == 1.0 and ctl.eval_scores[1] < 0.6

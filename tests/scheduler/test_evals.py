@@ -12,18 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from priority.queues import Topology, declare_topology
 from replicas.launcher import ReplicaProcess, free_port
 from replicas.words import COMMON_WORDS
 from scheduler.evals import EvalError, JobEvalRunner, ReplicaEvalRunner
 from scheduler.signals import ReplicaView
 from tests.api.harness import ADMIN_KEY, run_gateway
 from tests.batch_tier import (
-    RABBIT_URL,
-    BatchTier,
     postgres_database,
     require_postgres,
     require_rabbitmq,
+    running_tier,
     tiny_fleet,
 )
 from tests.scheduler.processes import sim_replicas, write_eval_files
@@ -142,28 +140,22 @@ async def test_the_eval_job_through_the_gateway_scores_each_group_as_the_direct_
         {"name": "stable-0", "url": sims["right"].url, "group": "stable"},
         {"name": "canary-0", "url": sims["half"].url, "group": "canary"},
     ]
-    with postgres_database() as db:
-        tier = BatchTier(root=tmp_path, database_url=db, fleet=fleet)
-        tier.write_fleet()
-        declare_topology(RABBIT_URL, Topology(tier.namespace))
-        try:
-            tier.start_worker("reserved", concurrency=4)
-            with run_gateway(tmp_path, fleet, env=tier.env()) as gw:
-                jobs = JobEvalRunner(
-                    gw.url,
-                    admin_key=ADMIN_KEY,
-                    dataset=files[0],
-                    models={"batch": "tiny"},
-                    options={"scorer": "exact", "max_tokens": 8},
-                    poll_s=0.5,
-                    timeout_s=90,
-                )
-                # When both groups are evaluated as jobs pinned to them
-                stable, canary = await asyncio.gather(
-                    jobs.report("batch", "stable"), jobs.report("batch", "canary")
-                )
-        finally:
-            tier.close()
+    with postgres_database() as db, running_tier(tmp_path, db, fleet) as tier:
+        tier.start_worker("reserved", concurrency=4)
+        with run_gateway(tmp_path, fleet, env=tier.env()) as gw:
+            jobs = JobEvalRunner(
+                gw.url,
+                admin_key=ADMIN_KEY,
+                dataset=files[0],
+                models={"batch": "tiny"},
+                options={"scorer": "exact", "max_tokens": 8},
+                poll_s=0.5,
+                timeout_s=90,
+            )
+            # When both groups are evaluated as jobs pinned to them
+            stable, canary = await asyncio.gather(
+                jobs.report("batch", "stable"), jobs.report("batch", "canary")
+            )
     # Then each job ran on its group's replica only and scored as the direct runner does
     direct = runner(
         Listing(

@@ -19,7 +19,7 @@ import openai
 import pytest
 from sqlalchemy import create_engine, text
 
-from priority.queues import Topology, declare_topology, queue_depths
+from priority.queues import Topology, queue_depths
 from tests.batch_tier import (
     RABBIT_URL,
     BatchTier,
@@ -29,6 +29,7 @@ from tests.batch_tier import (
     read_jsonl,
     require_postgres,
     require_rabbitmq,
+    running_tier,
     tiny_fleet,
     wait_for,
 )
@@ -43,14 +44,8 @@ TERMINAL = ("completed", "failed", "expired", "cancelled")
 def tier(tmp_path: Path, vllm_urls: list[str]) -> Iterator[BatchTier]:
     require_rabbitmq()
     require_postgres()
-    with postgres_database() as url:
-        t = BatchTier(root=tmp_path, database_url=url, fleet=tiny_fleet(vllm_urls))
-        t.write_fleet()
-        declare_topology(RABBIT_URL, Topology(t.namespace))
-        try:
-            yield t
-        finally:
-            t.close()
+    with postgres_database() as url, running_tier(tmp_path, url, tiny_fleet(vllm_urls)) as t:
+        yield t
 
 
 def _submit(client: openai.OpenAI, data: bytes, **metadata: str) -> Any:

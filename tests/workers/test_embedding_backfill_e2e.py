@@ -12,9 +12,8 @@ import httpx
 import numpy as np
 import pytest
 
-from priority.queues import Topology, declare_topology
 from replicas.launcher import ReplicaProcess, sim_process
-from tests.batch_tier import RABBIT_URL, BatchTier, openai_client, read_jsonl, require_rabbitmq, wait_for
+from tests.batch_tier import BatchTier, openai_client, read_jsonl, require_rabbitmq, running_tier, wait_for
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -48,14 +47,9 @@ def tier(tmp_path: Path, embedder: ReplicaProcess) -> Iterator[BatchTier]:
             }
         },
     }
-    t = BatchTier(root=tmp_path / "tier", database_url=f"sqlite:///{tmp_path / 'tidal.db'}", fleet=fleet)
-    t.write_fleet()
-    declare_topology(RABBIT_URL, Topology(t.namespace))
-    t.start_worker("reserved", concurrency=2)
-    try:
+    with running_tier(tmp_path / "tier", f"sqlite:///{tmp_path / 'tidal.db'}", fleet) as t:
+        t.start_worker("reserved", concurrency=2)
         yield t
-    finally:
-        t.close()
 
 
 def test_an_embedding_backfill_writes_jsonl_and_npy(tier: BatchTier) -> None:

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from priority.queues import Topology, declare_topology
 from replicas.launcher import free_port
-from tests.batch_tier import RABBIT_URL, ROOT, BatchTier, require_rabbitmq, tiny_fleet, wait_for
+from tests.batch_tier import ROOT, BatchTier, require_rabbitmq, running_tier, tiny_fleet, wait_for
 from tests.services import in_ci
 
 pytestmark = [pytest.mark.browser, pytest.mark.rabbitmq]
@@ -44,18 +43,13 @@ def _chromium() -> str:
 def tier(tmp_path: Path) -> Iterator[BatchTier]:
     require_rabbitmq()
     # Workers never reach a replica here: the page is about who consumes which lane.
-    t = BatchTier(
-        root=tmp_path,
-        database_url=f"sqlite:///{tmp_path / 'tidal.db'}",
-        fleet=tiny_fleet(["http://127.0.0.1:9"]),
+    with running_tier(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'tidal.db'}",
+        tiny_fleet(["http://127.0.0.1:9"]),
         extra_env={"TIDAL_FLOWER_BASIC_AUTH": AUTH},
-    )
-    t.write_fleet()
-    declare_topology(RABBIT_URL, Topology(t.namespace))
-    try:
+    ) as t:
         yield t
-    finally:
-        t.close()
 
 
 def _status(url: str, auth: tuple[str, str] | None = None) -> int:

@@ -13,17 +13,16 @@ import httpx
 import openai
 import pytest
 
-from priority.queues import Topology, declare_topology
 from replicas.client import ReplicaClient
 from replicas.metrics import parse_load_snapshot
 from tests.batch_tier import (
-    RABBIT_URL,
     BatchTier,
     openai_client,
     postgres_database,
     read_jsonl,
     require_postgres,
     require_rabbitmq,
+    running_tier,
     tiny_fleet,
     wait_for,
 )
@@ -41,15 +40,9 @@ def tier(tmp_path: Path, vllm_urls: list[str]) -> Iterator[BatchTier]:
         {"name": "stable-0", "url": vllm_urls[0], "group": "stable"},
         {"name": "canary-0", "url": vllm_urls[-1], "group": "canary"},
     ]
-    with postgres_database() as url:
-        t = BatchTier(root=tmp_path, database_url=url, fleet=fleet)
-        t.write_fleet()
-        declare_topology(RABBIT_URL, Topology(t.namespace))
+    with postgres_database() as url, running_tier(tmp_path, url, fleet) as t:
         t.start_worker("reserved", concurrency=4)
-        try:
-            yield t
-        finally:
-            t.close()
+        yield t
 
 
 def _job(client: Any, rows: list[dict[str, Any]], **body: Any) -> dict[str, Any]:
