@@ -4,8 +4,11 @@ limits, timeouts, aborts and broken connections."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -29,7 +32,9 @@ class _Server:
 
 
 @asynccontextmanager
-async def _serve(handler: Handler) -> AsyncIterator[tuple[str, _Server]]:
+async def _serve(
+    handler: Handler, tls: ssl.SSLContext | None = None, host: str = "127.0.0.1"
+) -> AsyncIterator[tuple[str, _Server]]:
     server = _Server()
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
@@ -52,9 +57,9 @@ async def _serve(handler: Handler) -> AsyncIterator[tuple[str, _Server]]:
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=tls).start()
     try:
-        yield f"http://127.0.0.1:{port}", server
+        yield f"{'https' if tls else 'http'}://{host}:{port}", server
     finally:
         await runner.cleanup()
 
@@ -208,3 +213,95 @@ async def test_requests_cannot_be_split_by_injected_line_breaks() -> None:
             pass
     with pytest.raises(ValueError):
         ConnectionPool("file:///etc/passwd")
+
+
+def _certificates(tmp_path: Path) -> tuple[Path, ssl.SSLContext]:
+    """A throwaway CA (its PEM file) and a server context with a leaf for ``localhost`` it signed."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    now = dt.datetime.now(dt.UTC)
+    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("tidal test CA"))
+        .issuer_name(name("tidal test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    leaf = (
+        x509.CertificateBuilder()
+        .subject_name(name("localhost"))
+        .issuer_name(ca.subject)
+        .public_key(leaf_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_file, cert_file, key_file = tmp_path / "ca.pem", tmp_path / "leaf.pem", tmp_path / "leaf.key"
+    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    cert_file.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        leaf_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert_file, key_file)
+    return ca_file, server
+
+
+async def test_https_streams_over_a_verified_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca_file, server_tls = _certificates(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))  # the system trust store, as the pool loads it
+    async with _serve(_stream, tls=server_tls, host="localhost") as (url, server):
+        pool = ConnectionPool(url, headers={"Authorization": "Bearer k"})
+        for _ in range(2):
+            async with pool.request("POST", "/v1/x?n=3", b"{}") as resp:
+                assert resp.status == 200
+                body = b"".join([p async for p in resp.iter_chunks()])
+            assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        assert len(server.peers) == 1  # the TLS connection is kept alive and reused
+        assert server.seen_headers[-1]["host"] == url.removeprefix("https://")
+        await pool.close()
+
+
+async def test_https_refuses_an_untrusted_or_misnamed_certificate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca_file, server_tls = _certificates(tmp_path)
+    async with _serve(_stream, tls=server_tls, host="localhost") as (url, server):
+        # A CA the system does not trust: the handshake fails before any request is sent.
+        untrusted = ConnectionPool(url)
+        with pytest.raises(ReplicaUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            async with untrusted.request("POST", "/v1/x", b"{}"):
+                pass
+        # A trusted CA, but the certificate names localhost, not the address asked for.
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+        misnamed = ConnectionPool(url.replace("localhost", "127.0.0.1"))
+        with pytest.raises(ReplicaUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            async with misnamed.request("POST", "/v1/x", b"{}"):
+                pass
+        assert server.seen_headers == []
+        await untrusted.close()
+        await misnamed.close()
