@@ -60,6 +60,7 @@ from bench.traces import (
 )
 from priority.admission import Admission, Decision, Ticket
 from priority.window import quantile
+from replicas.sim.presets import get_preset
 from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
 from router.loader import build_router
 from router.prefix import blocks_prefix_key
@@ -72,6 +73,8 @@ __all__ = ["DEFAULT_TRACES", "VirtualGateway", "cluster_kv_tokens", "peak_rate",
 
 DEFAULT_TRACES = ("mooncake_conversation_trace.jsonl", "AzureLLMInferenceTrace_code.csv")
 PRESET = "llama-3.1-70b-fp8-h200-tp4"
+# The two 70B-on-H200 presets: TP8 has twice the GPUs, so about twice the KV cache per replica.
+PRESETS = (PRESET, "llama-3.1-70b-fp8-h200-tp8")
 MODEL = "llama-3.1-70b"
 DEFAULT_KEY_BLOCKS = 2
 SCRAPE_INTERVAL_S = 1.0
@@ -367,81 +370,119 @@ def run(
     requests: str | int | None = None,
     seed: str | int = 0,
     load_basis: str = "peak",
+    preset: str | None = None,
     **_: Any,
 ) -> list[dict[str, Any]]:
-    """Every policy x load x trace; rows as in the module docstring."""
+    """Every preset x trace x load x policy; rows as in the module docstring."""
     if load_basis not in ("peak", "mean"):
         raise click.UsageError(f"--load-basis must be 'peak' or 'mean', not {load_basis!r}")
     n_replicas = int(replicas)
     load_levels = [float(x) for x in loads.split(",")] if loads else ([0.8] if quick else [0.5, 0.8, 0.95])
     profiles = policies.split(",") if policies else list(BUILTIN_PROFILES)
     limit = int(requests) if requests is not None else None
+    presets = preset.split(",") if preset else ([PRESET] if quick else list(PRESETS))
+    for p in presets:
+        get_preset(p)  # an unknown name fails before any replay
     rows: list[dict[str, Any]] = []
-    for name, workload, source in _workloads(trace, quick, limit):
-        if quick and limit is None:
-            # About four minutes of virtual time at 80% load: enough for the caps to settle.
-            probe = replay(
-                workload[:QUICK_MIN], "round_robin", scale=0.0, replicas=n_replicas, seed=int(seed)
-            )
-            n = int(min(QUICK_MAX, max(QUICK_MIN, 240 * 0.8 * probe["requests_per_s"])))
-            workload = workload[:n]
-        click.echo(
-            f"\n== {name}: {source}; {len(workload)} requests on {n_replicas} x {PRESET} (virtual time)"
-        )
-        ideal = ideal_hit_ratio(workload)
-        bound = capacity_hit_ratio(workload, cluster_kv_tokens(n_replicas))
-        span = workload[-1].arrival_s - workload[0].arrival_s if len(workload) > 1 else 1.0
-        natural_rate = len(workload) / span if span > 0 else float("inf")
-        busiest = peak_rate(workload)
-        basis_rate = busiest if load_basis == "peak" else natural_rate
-        sat = replay(workload, "round_robin", scale=0.0, replicas=n_replicas, seed=int(seed))
-        capacity = sat["requests_per_s"]
-        click.echo(
-            f"capacity (saturated, round robin, TPOT-capped): {capacity:.2f} req/s; the trace's own "
-            f"rate: {natural_rate:.2f} req/s mean, {busiest:.2f} in its busiest {PEAK_WINDOW_S:.0f} s "
-            f"(peak / mean {busiest / natural_rate:.2f}); load basis: {load_basis}; "
-            f"hit ratio bounds: ideal {ideal:.3f}, one LRU of the cluster's KV {bound:.3f}"
-        )
-        for load in load_levels:
-            scale = basis_rate / (load * capacity) if capacity > 0 else 1.0
-            variants: list[tuple[str, str, int]] = [(p, p, DEFAULT_KEY_BLOCKS) for p in profiles]
-            for label, profile, k in variants:
-                m = replay(workload, profile, scale=scale, replicas=n_replicas, key_blocks=k, seed=int(seed))
-                rows.append(
-                    {
-                        "trace": name,
-                        "load": load,
-                        "policy": label,
-                        "ttft_p50_s": m["ttft_p50_s"],
-                        "ttft_p95_s": m["ttft_p95_s"],
-                        "ttft_p99_s": m["ttft_p99_s"],
-                        "tpot_p50_s": m["tpot_p50_s"],
-                        "tpot_p95_s": m["tpot_p95_s"],
-                        "prefix_hit_ratio": m["prefix_hit_ratio"],
-                        "ideal_hit_ratio": ideal,
-                        "capacity_hit_ratio": bound,
-                        "throughput_tok_s": m["throughput_tok_s"],
-                        "imbalance": m["imbalance"],
-                        "requests": m["served"],
-                        "refused": m["refused"],
-                        "preemptions": m["preemptions"],
-                        "ring_walk_share": m["ring_walk_share"],
-                        "capacity_req_s": capacity,
-                        "load_basis": load_basis,
-                        "mean_load": natural_rate / scale / capacity if capacity > 0 else 0.0,
-                        "peak_load": busiest / scale / capacity if capacity > 0 else 0.0,
-                        "source": source,
-                        "sim_wall_s": round(m["wall_s"], 2),
-                    }
+    for p in presets:
+        for name, workload, source in _workloads(trace, quick, limit):
+            rows.extend(
+                _run_trace(
+                    p,
+                    name,
+                    workload,
+                    source,
+                    quick,
+                    limit,
+                    load_levels,
+                    profiles,
+                    n_replicas,
+                    int(seed),
+                    load_basis,
                 )
-        _print(rows, name)
+            )
     return rows
 
 
-def _print(rows: list[dict[str, Any]], trace: str) -> None:
+def _run_trace(
+    preset: str,
+    name: str,
+    workload: list[TraceRequest],
+    source: str,
+    quick: bool,
+    limit: int | None,
+    load_levels: list[float],
+    profiles: list[str],
+    n_replicas: int,
+    seed: int,
+    load_basis: str,
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    if quick and limit is None:
+        # About four minutes of virtual time at 80% load: enough for the caps to settle.
+        probe = replay(
+            workload[:QUICK_MIN], "round_robin", scale=0.0, replicas=n_replicas, preset=preset, seed=seed
+        )
+        n = int(min(QUICK_MAX, max(QUICK_MIN, 240 * 0.8 * probe["requests_per_s"])))
+        workload = workload[:n]
+    click.echo(f"\n== {name}: {source}; {len(workload)} requests on {n_replicas} x {preset} (virtual time)")
+    ideal = ideal_hit_ratio(workload)
+    bound = capacity_hit_ratio(workload, cluster_kv_tokens(n_replicas, preset))
+    span = workload[-1].arrival_s - workload[0].arrival_s if len(workload) > 1 else 1.0
+    natural_rate = len(workload) / span if span > 0 else float("inf")
+    busiest = peak_rate(workload)
+    basis_rate = busiest if load_basis == "peak" else natural_rate
+    sat = replay(workload, "round_robin", scale=0.0, replicas=n_replicas, preset=preset, seed=seed)
+    capacity = sat["requests_per_s"]
+    click.echo(
+        f"capacity (saturated, round robin, TPOT-capped): {capacity:.2f} req/s; the trace's own "
+        f"rate: {natural_rate:.2f} req/s mean, {busiest:.2f} in its busiest {PEAK_WINDOW_S:.0f} s "
+        f"(peak / mean {busiest / natural_rate:.2f}); load basis: {load_basis}; "
+        f"hit ratio bounds: ideal {ideal:.3f}, one LRU of the cluster's KV {bound:.3f}"
+    )
+    for load in load_levels:
+        scale = basis_rate / (load * capacity) if capacity > 0 else 1.0
+        variants: list[tuple[str, str, int]] = [(p, p, DEFAULT_KEY_BLOCKS) for p in profiles]
+        for label, profile, k in variants:
+            m = replay(
+                workload, profile, scale=scale, replicas=n_replicas, preset=preset, key_blocks=k, seed=seed
+            )
+            rows.append(
+                {
+                    "preset": preset,
+                    "trace": name,
+                    "load": load,
+                    "policy": label,
+                    "ttft_p50_s": m["ttft_p50_s"],
+                    "ttft_p95_s": m["ttft_p95_s"],
+                    "ttft_p99_s": m["ttft_p99_s"],
+                    "tpot_p50_s": m["tpot_p50_s"],
+                    "tpot_p95_s": m["tpot_p95_s"],
+                    "prefix_hit_ratio": m["prefix_hit_ratio"],
+                    "ideal_hit_ratio": ideal,
+                    "capacity_hit_ratio": bound,
+                    "throughput_tok_s": m["throughput_tok_s"],
+                    "imbalance": m["imbalance"],
+                    "requests": m["served"],
+                    "refused": m["refused"],
+                    "preemptions": m["preemptions"],
+                    "ring_walk_share": m["ring_walk_share"],
+                    "capacity_req_s": capacity,
+                    "load_basis": load_basis,
+                    "mean_load": natural_rate / scale / capacity if capacity > 0 else 0.0,
+                    "peak_load": busiest / scale / capacity if capacity > 0 else 0.0,
+                    "source": source,
+                    "sim_wall_s": round(m["wall_s"], 2),
+                }
+            )
+    _print(rows, preset, name)
+    return rows
+
+
+def _print(rows: list[dict[str, Any]], preset: str, trace: str) -> None:
     from tidal.cli.bench import print_table
 
-    mine = [r for r in rows if r["trace"] == trace]
+    mine = [r for r in rows if r["trace"] == trace and r["preset"] == preset]
     for load in sorted({r["load"] for r in mine}):
         at = [r for r in mine if r["load"] == load]
         rr = next((r for r in at if r["policy"] == "round_robin"), None)

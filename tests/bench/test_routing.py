@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.routing import peak_rate, replay, run
 from bench.traces import TraceRequest, synthetic_workload
 
@@ -91,3 +93,25 @@ def test_an_azure_csv_runs_too(tmp_path: Path) -> None:
     assert len(out) == 1 and out[0]["trace"] == "azure_tiny.csv" and out[0]["requests"] == 80
     # No prefix information: nothing to hit, and no bound says otherwise.
     assert out[0]["ideal_hit_ratio"] == out[0]["capacity_hit_ratio"] == 0.0
+
+
+def test_each_preset_gets_its_own_rows_and_capacity_bound(tmp_path: Path) -> None:
+    rows = run(
+        quick=True,
+        out_dir=tmp_path,
+        trace=str(_mooncake_file(tmp_path)),
+        loads="0.5",
+        policies="tidal",
+        replicas="2",
+        preset="llama-3.1-70b-fp8-h200-tp4,llama-3.1-70b-fp8-h200-tp8",
+    )
+    assert [r["preset"] for r in rows] == ["llama-3.1-70b-fp8-h200-tp4", "llama-3.1-70b-fp8-h200-tp8"]
+    tp4, tp8 = rows
+    # TP8 serves the same trace faster, so the same load is a higher request rate.
+    assert tp8["capacity_req_s"] > tp4["capacity_req_s"]
+    assert tp4["ideal_hit_ratio"] == tp8["ideal_hit_ratio"]
+
+
+def test_an_unknown_preset_fails_before_any_replay(tmp_path: Path) -> None:
+    with pytest.raises(KeyError, match="unknown preset"):
+        run(quick=True, out_dir=tmp_path, trace=str(_mooncake_file(tmp_path)), preset="no-such-gpu")
