@@ -51,6 +51,7 @@ import click
 
 from bench.traces import (
     TraceRequest,
+    belady_hit_ratio,
     block_hashes,
     capacity_hit_ratio,
     find_trace,
@@ -427,7 +428,9 @@ def _run_trace(
         workload = workload[:n]
     click.echo(f"\n== {name}: {source}; {len(workload)} requests on {n_replicas} x {preset} (virtual time)")
     ideal = ideal_hit_ratio(workload)
-    bound = capacity_hit_ratio(workload, cluster_kv_tokens(n_replicas, preset))
+    kv_tokens = cluster_kv_tokens(n_replicas, preset)
+    bound = capacity_hit_ratio(workload, kv_tokens)
+    clairvoyant = belady_hit_ratio(workload, kv_tokens)
     span = workload[-1].arrival_s - workload[0].arrival_s if len(workload) > 1 else 1.0
     natural_rate = len(workload) / span if span > 0 else float("inf")
     busiest = peak_rate(workload)
@@ -438,7 +441,8 @@ def _run_trace(
         f"capacity (saturated, round robin, TPOT-capped): {capacity:.2f} req/s; the trace's own "
         f"rate: {natural_rate:.2f} req/s mean, {busiest:.2f} in its busiest {PEAK_WINDOW_S:.0f} s "
         f"(peak / mean {busiest / natural_rate:.2f}); load basis: {load_basis}; "
-        f"hit ratio bounds: ideal {ideal:.3f}, one LRU of the cluster's KV {bound:.3f}"
+        f"hit ratio bounds: ideal {ideal:.3f}, one LRU of the cluster's KV {bound:.3f} "
+        f"(with clairvoyant eviction instead of LRU: {clairvoyant:.3f})"
     )
     for load in load_levels:
         scale = basis_rate / (load * capacity) if capacity > 0 else 1.0
@@ -461,6 +465,7 @@ def _run_trace(
                     "prefix_hit_ratio": m["prefix_hit_ratio"],
                     "ideal_hit_ratio": ideal,
                     "capacity_hit_ratio": bound,
+                    "belady_hit_ratio": clairvoyant,
                     "throughput_tok_s": m["throughput_tok_s"],
                     "imbalance": m["imbalance"],
                     "requests": m["served"],

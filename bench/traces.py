@@ -19,8 +19,10 @@ with everything before it*, so two requests that share their first k ids share a
   :func:`prompt_text` -- deterministic text with equal text for equal prefixes.
 * :func:`ideal_hit_ratio` -- the prefix-cache hit ratio of one infinite cache (Mooncake reports
   about 37 % for the conversation trace); :func:`capacity_hit_ratio` -- that of one LRU cache of
-  a given size (a whole cluster's KV capacity: what no router over that cluster can beat by
-  much, since each request's prefix must be resident on the one replica it goes to).
+  a given size (a whole cluster's KV capacity: what a router over LRU engines, as vLLM's are, can
+  approach but hardly beat, since each request's prefix must be resident on the one replica it
+  goes to); :func:`belady_hit_ratio` -- that of one cache of that size which evicts the block
+  needed furthest in the future (clairvoyant: how much of the gap to the ideal is LRU's).
 
 Example::
 
@@ -33,12 +35,13 @@ Example::
 from __future__ import annotations
 
 import csv
+import heapq
 import json
 import math
 import os
 import random
 import statistics
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -49,6 +52,7 @@ from replicas.words import COMMON_WORDS
 __all__ = [
     "TraceRequest",
     "block_hashes",
+    "belady_hit_ratio",
     "capacity_hit_ratio",
     "find_trace",
     "ideal_hit_ratio",
@@ -391,4 +395,41 @@ def capacity_hit_ratio(requests: Sequence[TraceRequest], capacity_tokens: int) -
             lru.move_to_end(h)
         while len(lru) > cap:
             lru.popitem(last=False)
+    return hit / total if total else 0.0
+
+
+def belady_hit_ratio(requests: Sequence[TraceRequest], capacity_tokens: int) -> float:
+    """The hit ratio of one prefix cache of ``capacity_tokens`` tokens that, when full, evicts the
+    block whose next use is furthest away (Belady's clairvoyant policy), counted as
+    :func:`capacity_hit_ratio` counts. No engine knows the future; this shows how far an LRU cache
+    of the same size is from what the size allows (on the Mooncake conversation trace most new
+    blocks are never used again, and LRU keeps them as long as any other)."""
+    ordered = sorted(requests, key=lambda x: x.arrival_s)
+    uses: defaultdict[int, list[int]] = defaultdict(list)
+    for i, r in enumerate(ordered):
+        for h in r.hash_ids:
+            uses[h].append(i)
+    seen_uses: defaultdict[int, int] = defaultdict(int)  # uses of each block up to now
+    never = len(ordered)
+    cached: dict[int, int] = {}  # block -> index of the request that next uses it
+    furthest: list[tuple[int, int]] = []  # (-next use, block), stale entries skipped
+    hit = total = 0
+    for r in ordered:
+        bt = r.block_tokens
+        cap = max(1, capacity_tokens // bt)
+        total += r.input_length
+        for j, h in enumerate(r.hash_ids):
+            if h not in cached:
+                break
+            hit += min(bt, r.input_length - j * bt)
+        for h in r.hash_ids:
+            seen_uses[h] += 1
+            later = uses[h]
+            nxt = later[seen_uses[h]] if seen_uses[h] < len(later) else never
+            cached[h] = nxt
+            heapq.heappush(furthest, (-nxt, h))
+        while len(cached) > cap:
+            nxt, h = heapq.heappop(furthest)
+            if cached.get(h) == -nxt:
+                del cached[h]
     return hit / total if total else 0.0

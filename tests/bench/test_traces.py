@@ -9,6 +9,7 @@ import pytest
 
 from bench.traces import (
     TraceRequest,
+    belady_hit_ratio,
     block_hashes,
     capacity_hit_ratio,
     ideal_hit_ratio,
@@ -113,3 +114,19 @@ def test_capacity_hit_ratio_is_one_lru_of_the_given_size() -> None:
     assert capacity_hit_ratio(reqs, 3 * 512) == pytest.approx((512 + 1024 + 512) / total)
     # One block: only the head a turn touched last survives; every turn still shares block 0.
     assert capacity_hit_ratio(reqs, 512) == pytest.approx(3 * 512 / total)
+
+
+def test_belady_keeps_what_is_used_again_where_lru_keeps_what_is_recent() -> None:
+    def req(t: float, *ids: int) -> TraceRequest:
+        return TraceRequest(t, 512 * len(ids), 1, ids)
+
+    reqs = [req(0, 0, 1), req(1, 0, 2), req(2, 0, 1, 3), req(3, 0, 2, 4)]
+    total = 1024 + 1024 + 1536 + 1536
+    # Three blocks: turn 3 adds 3 and re-touches 1, neither used again; Belady drops one of them
+    # and keeps 2 for turn 4, which LRU pushed out (see the test above).
+    assert (
+        belady_hit_ratio(reqs, 3 * 512) == ideal_hit_ratio(reqs) == pytest.approx((512 + 1024 + 1024) / total)
+    )
+    assert belady_hit_ratio(reqs, 3 * 512) > capacity_hit_ratio(reqs, 3 * 512)
+    assert belady_hit_ratio(reqs, 10**9) == ideal_hit_ratio(reqs)
+    assert belady_hit_ratio(reqs, 512) == pytest.approx(3 * 512 / total)
