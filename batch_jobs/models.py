@@ -386,6 +386,21 @@ class WorkerRecord(SQLModel, table=True):
     paused_lanes: str = Field(default="", max_length=64)
 
 
+class RuntimeReplica(SQLModel, table=True):
+    """A replica registered with a gateway at run time (``POST /admin/replicas``: the autoscaler's
+    local actuator, a canary roll-out) rather than in the fleet file, so that batch workers send
+    to it too; its row goes when it is deregistered (``DELETE``), before it drains."""
+
+    __tablename__ = "tidal_runtime_replicas"
+
+    name: str = Field(max_length=128, primary_key=True)
+    pool: str = Field(max_length=128, index=True)
+    url: str = Field(max_length=2048)
+    group: str = Field(default="stable", max_length=128)
+    max_loras: int = 0
+    registered_at: float = 0.0
+
+
 class ListPage(BaseModel):
     """OpenAI cursor page: ``{object: "list", data, first_id, last_id, has_more}``."""
 

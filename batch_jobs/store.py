@@ -23,14 +23,17 @@ from sqlalchemy import Engine, create_engine, event, func, text
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlmodel import Session, SQLModel, col, select
 
-from batch_jobs.models import BatchLine, LaneState, RequestCounts, WorkerRecord
+from batch_jobs.models import BatchLine, LaneState, RequestCounts, RuntimeReplica, WorkerRecord
 
 __all__ = [
     "Store",
+    "delete_runtime_replica",
     "lane_paused",
     "lane_states",
     "line_counts",
+    "put_runtime_replica",
     "register_worker",
+    "runtime_replicas",
     "set_lane_paused",
     "unregister_worker",
     "worker_paused_lanes",
@@ -193,3 +196,29 @@ def workers_of_lane(session: Session, lane: str, *, stale_after_s: float = 30.0)
         )
     ).all()
     return sorted(rows)
+
+
+# -- replicas registered at run time ------------------------------------------------------------
+
+
+def put_runtime_replica(
+    session: Session, *, name: str, pool: str, url: str, group: str = "stable", max_loras: int = 0
+) -> None:
+    """Record (or replace) a replica a gateway registered at run time; workers read these."""
+    row = session.get(RuntimeReplica, name) or RuntimeReplica(name=name, pool=pool, url=url)
+    row.pool, row.url, row.group, row.max_loras = pool, url, group, max_loras
+    row.registered_at = time.time()
+    session.add(row)
+
+
+def delete_runtime_replica(session: Session, name: str) -> bool:
+    """Forget a run-time replica; False when there was none of that name."""
+    row = session.get(RuntimeReplica, name)
+    if row is None:
+        return False
+    session.delete(row)
+    return True
+
+
+def runtime_replicas(session: Session) -> list[RuntimeReplica]:
+    return list(session.exec(select(RuntimeReplica).order_by(col(RuntimeReplica.name))).all())

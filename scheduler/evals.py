@@ -3,15 +3,15 @@ replica group, in one of two ways.
 
 :class:`JobEvalRunner` goes through the product: it uploads the eval set to the gateway
 (``POST /v1/files``), starts an ``eval`` job pinned to the pool and group (``POST /v1/jobs``,
-admin key), waits for it and reads its score. The groups must be in the fleet config the
-workers read (e.g. two Deployments listed there), and the batch tier must be running.
+admin key), waits for it and reads its score. The batch tier must be running, and the workers
+must know the group's replicas: listed in the fleet file, or registered with a gateway that
+shares their store (``POST /admin/replicas`` records them there).
 
 :class:`ReplicaEvalRunner` runs :class:`~batch_jobs.jobs.offline_eval.OfflineEval` itself -- the
 same dataset format, request bodies, scorers and report as ``POST /v1/jobs {"kind": "eval"}`` --
 but sends its requests straight to the group's replicas (as the gateway lists them) instead of
 through the batch queue. So the controller's loop needs no database, broker or workers, and it
-evaluates exactly the replicas it weighs: a canary group registered at run time through
-``/admin/replicas`` is unknown to the workers' fleet config.
+evaluates exactly the replicas it weighs, whatever store (if any) the gateway uses.
 
 Bounded: at most ``max_items`` dataset items (checked when the runner is made), ``concurrency``
 requests in flight, ``request_timeout_s`` per request; an eval in which more than

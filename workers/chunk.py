@@ -127,6 +127,17 @@ class ReplicaSet:
             slot.down_until = time.monotonic() + 1.0  # let a failing replica breathe
         self.changed.set()
 
+    def replace_slots(self, slots: list[ReplicaSlot]) -> list[ReplicaSlot]:
+        """Change the membership (replicas registered or removed at run time); returns the slots
+        dropped. Lines already on a dropped slot finish there; no new line takes it."""
+        if not slots:
+            raise ValueError("a replica set needs at least one replica")
+        kept = {id(s) for s in slots}
+        dropped = [s for s in self.slots if id(s) not in kept]
+        self.slots = slots
+        self.changed.set()
+        return dropped
+
     async def aclose(self) -> None:
         for s in self.slots:
             await s.client.aclose()

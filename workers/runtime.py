@@ -16,6 +16,12 @@ all        the chunk's own lane (``tidal up``:  every queue
 
 A batch pinned to a ``pool`` or ``replica_group`` (admins, e.g. a canary eval) goes to those
 replicas whatever the lane.
+
+A pool's replicas are those of the fleet file plus those registered with the gateway at run time
+(``POST /admin/replicas``: the autoscaler's local actuator, a canary roll-out), which the gateway
+records in the store; a worker re-reads them at most every ``RUNTIME_REPLICAS_TTL_S`` seconds, so
+a replica added to a shared pool takes batch work within seconds, and one being removed takes no
+new lines once its record is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import threading
@@ -44,7 +51,7 @@ from batch_jobs.maintenance import BatchMaintenance
 from batch_jobs.models import BatchRecord
 from batch_jobs.results import LineResult, record_results
 from batch_jobs.service import BatchService
-from batch_jobs.store import Store, lane_states, register_worker, unregister_worker
+from batch_jobs.store import Store, lane_states, register_worker, runtime_replicas, unregister_worker
 from priority.classes import Lane
 from priority.queues import LANES, Topology, is_amqp, parse_lane_control, pika_parameters
 from replicas.client import ReplicaClient
@@ -73,6 +80,14 @@ HOUSEKEEPING_S = 2.0
 HEARTBEAT_EVERY_S = 5.0
 PAUSE_REQUEUE_DELAY_S = 0.5
 NO_REPLICA_RETRY_S = 5.0  # a paused chunk waits a moment so it does not bounce straight back
+RUNTIME_REPLICAS_TTL_S = 2.0  # how stale the list of replicas registered at run time may be
+
+
+async def _close_when_idle(slot: ReplicaSlot, poll_s: float = 0.5) -> None:
+    """Close a dropped replica's connections once its last line there has finished."""
+    while slot.inflight > 0:
+        await asyncio.sleep(poll_s)
+    await slot.client.aclose()
 
 
 def worker_hostname(lane: str) -> str:
@@ -171,6 +186,9 @@ class WorkerRuntime:
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tidal-chunks", daemon=True)
         self._replica_sets: dict[tuple[str, str | None, str | None], ReplicaSet] = {}
+        self._runtime_lock = threading.Lock()
+        self._runtime: dict[str, list[ReplicaSpec]] = {}  # pool -> replicas registered at run time
+        self._runtime_read_at = -math.inf
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
         self._consuming_paused: set[str] = set()
@@ -436,7 +454,7 @@ class WorkerRuntime:
             time.sleep(NO_REPLICA_RETRY_S)
             raise Reject("no replicas", requeue=True)
         work = ChunkWork(batch_id, chunk_no, plan.lane, batch.priority, batch.endpoint, lines)
-        future = asyncio.run_coroutine_threadsafe(self._execute(work, batch), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._execute(work, batch, plan), self._loop)
         outcome: ChunkOutcome = future.result()
         if outcome.kind == "done":
             self._set_chunk(batch_id, chunk_no, "done")
@@ -489,27 +507,59 @@ class WorkerRuntime:
             adapter = self.fleet.adapter(batch.model)
             base = adapter.base_model if adapter else batch.model
             pools = [p for p in pools if p.model == base] or pools
+        runtime = self._runtime_replicas()
         replicas = [(p, r) for p in pools for r in p.replicas]
+        listed = {r.name for _, r in replicas}
+        replicas += [(p, r) for p in pools for r in runtime.get(p.name, []) if r.name not in listed]
         if batch.replica_group is not None:
             replicas = [(p, r) for p, r in replicas if r.group == batch.replica_group]
         return _Plan(lane, replicas)
 
-    async def _execute(self, work: ChunkWork, batch: BatchRecord) -> ChunkOutcome:
-        plan = self._plan(batch, work.lane)
-        key = (work.lane, batch.pool, batch.replica_group)
+    def _runtime_replicas(self) -> dict[str, list[ReplicaSpec]]:
+        """Replicas registered at run time, per pool (re-read when older than the TTL; the last
+        good list while the store is unreachable)."""
+        with self._runtime_lock:
+            if time.monotonic() - self._runtime_read_at < RUNTIME_REPLICAS_TTL_S:
+                return self._runtime
+            try:
+                with self.store.session() as s:
+                    rows = runtime_replicas(s)
+            except Exception:
+                log.exception("could not read the replicas registered at run time; using the last list")
+                return self._runtime
+            found: dict[str, list[ReplicaSpec]] = {}
+            for row in rows:
+                try:
+                    spec = ReplicaSpec(name=row.name, url=row.url, group=row.group, max_loras=row.max_loras)
+                except ValueError:
+                    log.warning("ignoring run-time replica %r: invalid record", row.name)
+                    continue
+                found.setdefault(row.pool, []).append(spec)
+            self._runtime, self._runtime_read_at = found, time.monotonic()
+            return found
+
+    def _replica_set(self, key: tuple[str, str | None, str | None], plan: _Plan) -> ReplicaSet:
+        """The lane's replica set, its membership brought up to ``plan`` (on the event loop)."""
         rs = self._replica_sets.get(key)
-        if rs is None:
-            rs = ReplicaSet(
-                [
-                    ReplicaSlot(
-                        r.name,
-                        ReplicaClient(r.base_url, name=r.name, pool_size=p.batch_concurrency_per_replica),
-                        p.batch_concurrency_per_replica,
-                    )
-                    for p, r in plan.replicas
-                ]
+        current = {(s.name, s.client.base_url): s for s in rs.slots} if rs is not None else {}
+        slots = [
+            current.get((r.name, r.base_url))
+            or ReplicaSlot(
+                r.name,
+                ReplicaClient(r.base_url, name=r.name, pool_size=p.batch_concurrency_per_replica),
+                p.batch_concurrency_per_replica,
             )
-            self._replica_sets[key] = rs
+            for p, r in plan.replicas
+        ]
+        if rs is None:
+            rs = self._replica_sets[key] = ReplicaSet(slots)
+        elif [id(s) for s in slots] != [id(s) for s in rs.slots]:
+            for gone in rs.replace_slots(slots):
+                self._loop.create_task(_close_when_idle(gone))
+        return rs
+
+    async def _execute(self, work: ChunkWork, batch: BatchRecord, plan: _Plan) -> ChunkOutcome:
+        rs = self._replica_set((work.lane, batch.pool, batch.replica_group), plan)
         last_beat = time.monotonic()
 
         async def record(results: list[LineResult]) -> int:

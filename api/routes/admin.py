@@ -4,11 +4,14 @@ The scheduler's health prober, canary controller, autoscaler actuator and batch 
 
 * ``GET /admin/replicas`` -- every replica with its state, cap, adapters and last snapshot;
 * ``POST /admin/replicas`` -- register one (``name``, http(s) ``url``, existing ``pool``,
-  ``group`` = stable, ``weight`` = 1, ``max_loras`` = 0); 409 if the name exists;
+  ``group`` = stable, ``weight`` = 1, ``max_loras`` = 0); 409 if the name exists. It is also
+  recorded in the batch tier's store, where workers find it (a replica of a ``shared``, ``batch``
+  or ``spot`` pool then takes that lane's batch work as fleet-file replicas do);
 * ``PATCH /admin/replicas/{name}`` -- ``healthy`` (false: out of routing at once and its
   in-flight requests fail fast), ``draining`` (no new requests), ``weight`` (canary split);
 * ``DELETE /admin/replicas/{name}`` -- drain, then deregister; answers 200 once removed, or 202
-  when ``timeout_s`` passed first (removal completes in the background when the last request ends);
+  when ``timeout_s`` passed first (removal completes in the background when the last request ends).
+  Its store record goes first, so workers send it no new batch lines while it drains;
 * ``GET /admin/load`` -- per pool: queue depth, queue wait / TTFT / TPOT p95 over a 5 s window,
   in-flight, KV usage max/mean, scraped waiting, healthy/total replicas, requests/s, error rate;
   per canary group: cumulative ``requests`` and ``errors`` and the windowed ``error_rate``.
@@ -16,14 +19,22 @@ The scheduler's health prober, canary controller, autoscaler actuator and batch 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
+from fastapi.concurrency import run_in_threadpool
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, UrlConstraints
+from sqlmodel import Session
 
-from api.deps import AdminDep, InteractiveDep
+from api.deps import AdminDep, InteractiveDep, StateDep
+from api.state import GatewayState
+from batch_jobs.store import delete_runtime_replica, put_runtime_replica
 
 __all__ = ["router"]
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -56,7 +67,9 @@ async def list_replicas(admin: AdminDep, service: InteractiveDep) -> dict[str, A
 
 
 @router.post("/replicas", status_code=201, summary="Register a replica at run time")
-async def add_replica(body: ReplicaCreate, admin: AdminDep, service: InteractiveDep) -> dict[str, Any]:
+async def add_replica(
+    body: ReplicaCreate, admin: AdminDep, service: InteractiveDep, gateway: StateDep
+) -> dict[str, Any]:
     state = service.add_replica(
         name=body.name,
         url=str(body.url),
@@ -64,6 +77,12 @@ async def add_replica(body: ReplicaCreate, admin: AdminDep, service: Interactive
         group=body.group,
         weight=body.weight,
         max_loras=body.max_loras,
+    )
+    await _record(
+        gateway,
+        lambda s: put_runtime_replica(
+            s, name=state.name, pool=state.pool, url=state.url, group=state.group, max_loras=state.max_loras
+        ),
     )
     return service.replica_json(state)
 
@@ -82,8 +101,11 @@ async def delete_replica(
     admin: AdminDep,
     service: InteractiveDep,
     response: Response,
+    gateway: StateDep,
     timeout_s: Annotated[float, Query(ge=0, le=600)] = 30.0,
 ) -> dict[str, Any]:
+    # Workers first (also a record left behind by an earlier gateway process), then drain here.
+    await _record(gateway, lambda s: delete_runtime_replica(s, name))
     removed, inflight = await service.remove_replica(name, timeout_s)
     if not removed:
         response.status_code = 202
@@ -98,3 +120,20 @@ async def load(admin: AdminDep, service: InteractiveDep) -> dict[str, Any]:
 @router.get("/router", summary="The router's profiles and plugins")
 async def router_profiles(admin: AdminDep, service: InteractiveDep) -> dict[str, Any]:
     return {"default": service.router.default, "profiles": service.router.describe()}
+
+
+async def _record(gateway: GatewayState, change: Callable[[Session], object]) -> None:
+    """Apply ``change`` to the batch tier's store; nothing when this gateway runs without one. A
+    failed write is logged, not raised: the gateway's own registry has changed either way."""
+    if gateway.batch is None:
+        return
+    store = gateway.batch.store
+
+    def write() -> None:
+        with store.session() as s:
+            change(s)
+
+    try:
+        await run_in_threadpool(write)
+    except Exception:
+        log.exception("could not record a run-time replica change for the batch workers")

@@ -34,6 +34,7 @@ from tests.batch_tier import (
     wait_for,
 )
 from tests.services import in_ci
+from workers.runtime import RUNTIME_REPLICAS_TTL_S
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.vllm]
 
@@ -296,3 +297,37 @@ def test_work_for_a_pool_without_replicas_waits_in_the_queue(tier: BatchTier) ->
         final = _wait_final(client, batch.id, timeout=30)
         _, err = _assert_exactly_once(client, final, 20)
         assert {e["error"]["code"] for e in err} == {"batch_cancelled"}
+
+
+def test_a_replica_registered_at_run_time_takes_its_pools_batch_work(
+    tier: BatchTier, vllm_urls: list[str]
+) -> None:
+    # Given a pool with no replica in the fleet file (the autoscaler starts them), and its worker
+    tier.fleet["pools"]["elastic"] = {"kind": "batch", "model": "tiny", "replicas": []}
+    tier.write_fleet()
+    tier.start_worker("reserved", concurrency=2)
+    with tier.gateway({"key-admin": ("ops", True)}) as gw:
+        client = openai_client(gw, "key-admin")
+        batch = _submit(client, chat_lines(30), pool="elastic")
+        wait_for(lambda: max(_chunk_deliveries(tier, batch.id)) >= 2, 30, "a redelivery")
+        assert _done(client, batch.id) == 0
+        # When a replica is registered with the gateway at run time, as the local actuator does
+        admin = {"Authorization": "Bearer key-admin"}
+        r = gw.post(
+            "/admin/replicas",
+            headers=admin,
+            json={"name": "elastic-0", "url": vllm_urls[0], "pool": "elastic"},
+        )
+        assert r.status_code == 201, r.text
+        # Then the worker finds it and the waiting batch completes there, each line once
+        final = _wait_final(client, batch.id, timeout=120)
+        assert final.status == "completed"
+        _assert_exactly_once(client, final, 30)
+        # And deregistering it forgets it for the workers too: new work for the pool waits again
+        assert gw.delete("/admin/replicas/elastic-0", headers=admin).json()["removed"] is True
+        time.sleep(RUNTIME_REPLICAS_TTL_S + 0.5)  # the worker's list of them may be this stale
+        later = _submit(client, chat_lines(10), pool="elastic")
+        wait_for(lambda: max(_chunk_deliveries(tier, later.id)) >= 2, 30, "a redelivery")
+        assert _done(client, later.id) == 0
+        client.batches.cancel(later.id)
+        _wait_final(client, later.id, timeout=30)

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
+from replicas.client import ReplicaClient
 from replicas.errors import ReplicaRequestError, ReplicaServerError, ReplicaTimeout, ReplicaUnavailable
-from workers.chunk import ChunkContext, ChunkOutcome, ChunkWork
+from workers.chunk import ChunkContext, ChunkOutcome, ChunkWork, ReplicaSet, ReplicaSlot
 from workers.middleware import (
     Attempt,
     ChunkMiddleware,
@@ -146,3 +147,19 @@ async def test_metrics_count_lines_and_chunks() -> None:
     assert get("tidal_worker_lines_total", {"lane": "shared", "result": "aborted"}) == 1
     assert get("tidal_worker_inflight_lines", {"lane": "shared"}) == 0
     assert get("tidal_worker_chunks_total", {"lane": "shared", "outcome": "released"}) == 1
+
+
+async def test_a_replica_set_changes_membership_without_losing_busy_slots() -> None:
+    a, b, c = (ReplicaSlot(n, ReplicaClient(f"http://127.0.0.1:9/{n}", name=n), 2) for n in "abc")
+    rs = ReplicaSet([a, b])
+    busy = rs.try_acquire()
+    assert busy is a  # both free: the first with the most room
+    # A replica registered at run time joins; one deregistered leaves with its line still on it.
+    dropped = rs.replace_slots([a, c])
+    assert dropped == [b] and rs.slots == [a, c] and a.inflight == 1
+    assert {rs.try_acquire(), rs.try_acquire()} <= {a, c}
+    rs.release(busy)
+    with pytest.raises(ValueError):
+        rs.replace_slots([])
+    for s in (a, b, c):
+        await s.client.aclose()
