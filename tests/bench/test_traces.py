@@ -98,13 +98,19 @@ def test_load_default_falls_back_to_the_synthetic_workload(
     assert reqs and "synthetic" in source
 
 
-def test_capacity_hit_ratio_is_one_lru_of_the_given_size() -> None:
+def _two_conversations() -> tuple[list[TraceRequest], int]:
+    """Two conversations on one shared block alternate; each turn repeats its whole history.
+    Returns the requests and their prompt tokens."""
+
     def req(t: float, *ids: int) -> TraceRequest:
         return TraceRequest(t, 512 * len(ids), 1, ids)
 
-    # Two conversations on one shared block alternate; each turn repeats its whole history.
     reqs = [req(0, 0, 1), req(1, 0, 2), req(2, 0, 1, 3), req(3, 0, 2, 4)]
-    total = 1024 + 1024 + 1536 + 1536
+    return reqs, 1024 + 1024 + 1536 + 1536
+
+
+def test_capacity_hit_ratio_is_one_lru_of_the_given_size() -> None:
+    reqs, total = _two_conversations()
     # Unbounded, it is the ideal: turn 2 hits [0], turn 3 [0, 1], turn 4 [0, 2].
     assert (
         capacity_hit_ratio(reqs, 10**9) == ideal_hit_ratio(reqs) == pytest.approx((512 + 1024 + 1024) / total)
@@ -117,11 +123,7 @@ def test_capacity_hit_ratio_is_one_lru_of_the_given_size() -> None:
 
 
 def test_belady_keeps_what_is_used_again_where_lru_keeps_what_is_recent() -> None:
-    def req(t: float, *ids: int) -> TraceRequest:
-        return TraceRequest(t, 512 * len(ids), 1, ids)
-
-    reqs = [req(0, 0, 1), req(1, 0, 2), req(2, 0, 1, 3), req(3, 0, 2, 4)]
-    total = 1024 + 1024 + 1536 + 1536
+    reqs, total = _two_conversations()
     # Three blocks: turn 3 adds 3 and re-touches 1, neither used again; Belady drops one of them
     # and keeps 2 for turn 4, which LRU pushed out (see the test above).
     assert (
