@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.auth import KeyStore, Principal
+from batch_jobs.store import Store, put_runtime_replica, runtime_replicas
 from tests.api.harness import Gateway
+from tidal.fleet import parse_fleet
+from tidal.settings import Settings
 
 POOL_KEYS = {
     "queue_depth",
@@ -90,3 +99,53 @@ def test_load_signal_shape(offline_gateway: Gateway) -> None:
         assert set(group) == {"requests", "errors", "error_rate"}
     profiles = offline_gateway.admin("GET", "/admin/router").json()
     assert profiles["default"] == "tidal" and "llm_d" in profiles["profiles"]
+
+
+def test_replicas_registered_at_run_time_are_recorded_for_the_batch_workers(tmp_path: Path) -> None:
+    # Given a gateway with its batch tier's store (SQLite here)
+    fleet = parse_fleet(
+        {
+            "models": [{"name": "tiny"}],
+            "pools": {
+                "interactive": {
+                    "kind": "interactive",
+                    "model": "tiny",
+                    "shared": True,
+                    "replicas": [{"name": "fixed", "url": "http://127.0.0.1:9"}],
+                }
+            },
+        }
+    )
+    settings = Settings(_env_file=None, data_dir=tmp_path, broker_url="memory://")  # type: ignore[call-arg]
+    keys = KeyStore()
+    keys.add_key("key-admin", Principal("ops", frozenset({"*"}), admin=True))
+    admin = {"Authorization": "Bearer key-admin"}
+    store = Store.from_url(settings.resolved_database_url)
+
+    def recorded() -> dict[str, tuple[str, str, str]]:
+        with store.session() as s:
+            return {r.name: (r.pool, r.url, r.group) for r in runtime_replicas(s)}
+
+    with TestClient(create_app(fleet, settings, keys=keys)) as tc:
+        # When the autoscaler adds a replica and a canary build is added
+        for body in (
+            {"name": "scaled-1", "url": "http://127.0.0.1:10/", "pool": "interactive"},
+            {"name": "canary-1", "url": "http://127.0.0.1:11", "pool": "interactive", "group": "canary"},
+        ):
+            assert tc.post("/admin/replicas", headers=admin, json=body).status_code == 201
+        # Then both are in the store the workers read; the fleet file's replica is not
+        assert recorded() == {
+            "scaled-1": ("interactive", "http://127.0.0.1:10", "stable"),
+            "canary-1": ("interactive", "http://127.0.0.1:11", "canary"),
+        }
+        # And a refused registration records nothing
+        dup = {"name": "scaled-1", "url": "http://127.0.0.1:12", "pool": "interactive"}
+        assert tc.post("/admin/replicas", headers=admin, json=dup).status_code == 409
+        assert recorded()["scaled-1"][1] == "http://127.0.0.1:10"
+        # And deregistering removes the record (also one this gateway does not know: 404 here)
+        assert tc.delete("/admin/replicas/scaled-1", headers=admin).json()["removed"] is True
+        with store.session() as s:
+            put_runtime_replica(s, name="left-over", pool="interactive", url="http://127.0.0.1:13")
+        assert tc.delete("/admin/replicas/left-over", headers=admin).status_code == 404
+        assert set(recorded()) == {"canary-1"}
+    store.dispose()
