@@ -1,7 +1,8 @@
 """``tidal bench routing``: every routing policy on the same trace, load and simulated fleet.
 
-Replays a trace on 8 simulated replicas of the Llama-3.1-70B FP8 / 4 x H200 preset in virtual
-time (``replicas.sim.virtual``) through a *virtual gateway* made of the product's own objects --
+Replays a trace on 8 simulated replicas of each Llama-3.1-70B FP8 on H200 preset -- 4 x H200
+(``llama-3.1-70b-fp8-h200-tp4``, 1.44 M tokens of KV per replica) and 8 x H200 (``-tp8``, 3.1 M)
+-- in virtual time (``replicas.sim.virtual``) through a *virtual gateway* made of the product's own objects --
 the replica registry, the admission controller with the adaptive per-replica caps, and the
 router with each built-in profile -- with the same 1 s ``/metrics`` staleness the live gateway
 has. Nothing here re-implements a policy: the profiles are :mod:`router.profiles`.
@@ -17,9 +18,12 @@ code trace's are 1.79 x its mean, so at 80 % of capacity by the mean rate the fl
 (``mean_load``, ``peak_load``).
 
 Rows give TTFT (from arrival at the gateway, queueing included) p50/p95/p99, TPOT p50/p95, the
-prefix-cache hit ratio beside two bounds -- the trace's ideal (one infinite cache) and
-``capacity_hit_ratio`` (one LRU cache of the whole cluster's KV capacity, which a router that
-must place each prompt on one replica can approach but hardly beat) -- output throughput and
+prefix-cache hit ratio beside three bounds -- the trace's ideal (one infinite cache),
+``capacity_hit_ratio`` (one LRU cache of the whole cluster's KV capacity: a router that must
+place each prompt on one replica of an LRU engine, as vLLM is, can approach it but hardly beat
+it) and ``belady_hit_ratio`` (that cache evicting the block needed furthest in the future
+instead: on the Mooncake trace it reaches the whole ideal, so what separates LRU from the ideal
+is the eviction policy, not the cluster's size) -- output throughput and
 load imbalance (max / mean replica work). Requests carry the stable-prefix key of the
 ``prefix-ring`` as their first 2 512-token blocks (a conversation of the Mooncake trace, whose
 first block is one global system prompt), for profiles that hash it.
@@ -32,7 +36,8 @@ TTFT.
 
 Example::
 
-    tidal bench routing --quick
+    tidal bench routing --quick                     # TP4 only, one load, the first requests
+    tidal bench routing --preset llama-3.1-70b-fp8-h200-tp8 --loads 0.8
     tidal bench routing --trace my_trace.jsonl --loads 0.5,0.9
     tidal bench routing --load-basis mean --policies tidal,round_robin
 """
