@@ -4,7 +4,9 @@ A pool's replicas started here come from a launch template (``tidal sim --preset
 vLLM server, via :mod:`replicas.launcher`). A new replica is registered with the gateway
 (``POST /admin/replicas``) only once its ``/health`` answers; a removed one is deregistered first
 (the gateway drains it) and then stopped. Only replicas this actuator started are ever stopped:
-replicas listed in the fleet config count towards the pool's size but are left alone.
+replicas listed in the fleet config count towards the pool's size but are left alone. Every
+``reconcile_every_s`` it also registers again any of its ready replicas the gateway no longer
+lists (a restarted gateway knows only its fleet file), so they serve again within one period.
 
 Example::
 
@@ -23,6 +25,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +79,8 @@ class LocalProcessActuator:
     ``fixed`` -- replicas of a pool that exist without this actuator (fleet config);
     ``factory`` -- overrides how a process is built from a template; ``ready_timeout_s`` -- a
     replica not healthy by then is stopped and counted as failed; ``max_starting`` -- bound on
-    simultaneous cold starts per pool (each one loads a model).
+    simultaneous cold starts per pool (each one loads a model); ``reconcile_every_s`` -- how often
+    :meth:`observe` checks that the gateway still lists this actuator's ready replicas.
     """
 
     name = "local"
@@ -91,6 +96,7 @@ class LocalProcessActuator:
         ready_timeout_s: float = 300.0,
         max_starting: int = 8,
         name_prefix: str = "auto",
+        reconcile_every_s: float = 10.0,
     ) -> None:
         self.templates = dict(templates)
         self.registry = registry
@@ -104,6 +110,9 @@ class LocalProcessActuator:
         self._seq = itertools.count()
         self._lock = asyncio.Lock()
         self.failed_starts = 0
+        self.reconcile_every_s = reconcile_every_s
+        self._reconciled_at = -math.inf
+        self.reregistered = 0
 
     def _default_factory(self, pool: str, name: str, port: int, log_path: Path) -> ReplicaProcess:
         t = self.templates[pool]
@@ -137,6 +146,8 @@ class LocalProcessActuator:
         return [(m.name, m.proc.url, m.state) for m in self._pool(pool).values()]
 
     async def observe(self, pool: str, load: PoolLoad | None) -> PoolReplicas:
+        if time.monotonic() - self._reconciled_at >= self.reconcile_every_s and not self._lock.locked():
+            await self._reconcile()
         owned = self._pool(pool).values()
         # A process that died on its own is no longer ready; the next scale() replaces it.
         ready = sum(1 for m in owned if m.state == "ready" and m.proc.running())
@@ -161,6 +172,33 @@ class LocalProcessActuator:
                 order += [m for m in reversed(live) if m.state == "ready"]
                 for m in order[: len(live) - want]:
                     await self._remove(pool, m)
+
+    async def _reconcile(self) -> None:
+        """Register again the ready replicas the gateway does not list (it restarted)."""
+        async with self._lock:
+            self._reconciled_at = time.monotonic()
+            ready = [
+                (pool, m)
+                for pool, owned in self._owned.items()
+                for m in owned.values()
+                if m.state == "ready" and m.proc.running()
+            ]
+            if not ready:
+                return
+            try:
+                listed = {r.name for r in await self.registry.replicas()}
+                for pool, m in ready:
+                    if m.name not in listed:
+                        t = self.templates[pool]
+                        await self.registry.register(
+                            m.name, m.proc.url, pool, group=t.group, max_loras=t.max_loras
+                        )
+                        self.reregistered += 1
+                        log.warning(
+                            "local actuator: the gateway did not list %s; registered it again", m.name
+                        )
+            except Exception as exc:
+                log.warning("local actuator: checking the gateway's replicas failed: %s", exc)
 
     def _start(self, pool: str) -> None:
         name = f"{self.name_prefix}-{pool}-{next(self._seq)}"

@@ -104,6 +104,7 @@ async def test_processes_are_started_registered_when_healthy_and_stopped_after_d
         factory=factory(set()),  # type: ignore[arg-type]
         log_dir=tmp_path,
         ready_timeout_s=20,
+        reconcile_every_s=0,
     )
     try:
         # Given one fixed replica; when the pool is scaled to 3
@@ -119,6 +120,11 @@ async def test_processes_are_started_registered_when_healthy_and_stopped_after_d
         assert len(registry.registered) == 2
         assert {g for _, _, g in registry.registered.values()} == {"canary"}
         pids = {n: m.proc.pid for n, m in actuator._owned["interactive"].items()}
+        # When the gateway restarts and forgets them, the next look registers them again
+        before = dict(registry.registered)
+        registry.registered.clear()
+        await actuator.observe("interactive", None)
+        assert registry.registered == before and actuator.reregistered == 2
         # When scaled down to 2, the newest is deregistered (drained) before it is stopped
         newest = max(pids, key=lambda n: int(n.rsplit("-", 1)[1]))
         await actuator.scale("interactive", 2)
