@@ -28,6 +28,13 @@ load imbalance (max / mean replica work). Requests carry the stable-prefix key o
 ``prefix-ring`` as their first 2 512-token blocks (a conversation of the Mooncake trace, whose
 first block is one global system prompt), for profiles that hash it.
 
+**Several gateways** (``--gateways 2``, the default for the full run; ``--gateways 1`` skips it):
+each cache-aware profile is replayed once more at 80 % load through that many gateways that share
+the replicas but no state -- each its own registry, in-flight counts, caps, queue and router
+indexes -- with every request sent to one of them at random, as an L4 balancer would; the rows
+carry ``gateways``. A conversation's turns then reach gateways that never saw its earlier turns,
+which costs hit ratio (SGLang's docs put their loss at 10-20 %).
+
 Traces: the Mooncake conversation trace and the Azure code trace from ``../shared/traces/``
 (or ``$TIDAL_TRACES_DIR``), any ``--trace FILE`` (Mooncake JSONL or Azure CSV, repeatable), or
 the built-in synthetic workload when none is found. Admission never refuses here (an hour-long
@@ -45,6 +52,7 @@ Example::
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -83,6 +91,8 @@ PRESET = "llama-3.1-70b-fp8-h200-tp4"
 PRESETS = (PRESET, "llama-3.1-70b-fp8-h200-tp8")
 MODEL = "llama-3.1-70b"
 DEFAULT_KEY_BLOCKS = 2
+# The profiles whose choice depends on what the gateway remembers of earlier prompts.
+CACHE_AWARE = ("tidal", "sglang_cache_aware", "llm_d")
 SCRAPE_INTERVAL_S = 1.0
 QUICK_MIN, QUICK_MAX = 1000, 3000  # requests per trace in --quick
 PEAK_WINDOW_S = 300.0
@@ -150,6 +160,7 @@ class VirtualGateway:
     profile: str
     seed: int = 0
     key_blocks: int = DEFAULT_KEY_BLOCKS
+    number: int = 0  # which of several gateways (request ids stay unique across them)
     served: list[_Outcome] = field(default_factory=list)
     refused: int = 0
     notes: dict[str, int] = field(default_factory=dict)
@@ -235,7 +246,7 @@ class VirtualGateway:
         self.cluster.submit(
             self.index[state.name],
             SimRequest(
-                f"req-{self._ids}",
+                f"gw{self.number}-req-{self._ids}",
                 max_tokens=job.req.output_length,
                 block_hashes=block_hashes(job.req, 16),
                 num_prompt_tokens=job.req.input_length,
@@ -273,19 +284,28 @@ def replay(
     fleet: FleetConfig | None = None,
     warmup: float = 0.1,
     max_num_batched_tokens: int = 1024,
+    gateways: int = 1,
 ) -> dict[str, Any]:
     """Replay ``workload`` with arrival times multiplied by ``scale`` (0: all at once) through
     ``profile``; the measured figures of one run. Latencies leave out the requests that arrived
-    in the first ``warmup`` share of the replay (while the caps converge from their start value)."""
+    in the first ``warmup`` share of the replay (while the caps converge from their start value).
+    With ``gateways`` > 1, that many independent gateways (each its own registry, caps, queue and
+    router state) share the replicas, and each request goes to one of them at random."""
     cluster = VirtualCluster(preset, replicas, seed=seed, max_num_batched_tokens=max_num_batched_tokens)
-    gw = VirtualGateway(cluster, fleet or bench_fleet(replicas), profile, seed=seed, key_blocks=key_blocks)
+    fleet = fleet or bench_fleet(replicas)
+    gws = [
+        VirtualGateway(cluster, fleet, profile, seed=seed + i, key_blocks=key_blocks, number=i)
+        for i in range(gateways)
+    ]
+    spread = random.Random(seed)  # an L4 balancer in front: any request to any gateway
     t0 = workload[0].arrival_s if workload else 0.0
     for req in workload:
+        gw = gws[spread.randrange(gateways)] if gateways > 1 else gws[0]
         gw.arrive(req, (req.arrival_s - t0) * scale)
     wall = time.perf_counter()
     cluster.run()
     wall = time.perf_counter() - wall
-    served = gw.served
+    served = [o for gw in gws for o in gw.served]
     horizon = max((o.arrival for o in served), default=0.0) * warmup
     steady = [o for o in served if o.arrival >= horizon]
     ttft = [o.result.first_token_time - o.arrival for o in steady if o.result.first_token_time is not None]
@@ -302,7 +322,7 @@ def replay(
     mean_work = sum(work) / replicas if replicas else 0.0
     return {
         "served": len(served),
-        "refused": gw.refused,
+        "refused": sum(gw.refused for gw in gws),
         "ttft_p50_s": quantile(ttft, 0.5),
         "ttft_p95_s": quantile(ttft, 0.95),
         "ttft_p99_s": quantile(ttft, 0.99),
@@ -313,8 +333,10 @@ def replay(
         "requests_per_s": len(served) / (end - start) if end > start else 0.0,
         "imbalance": max(work) / mean_work if mean_work else 1.0,
         "preemptions": sum(o.result.num_preemptions for o in served),
-        "final_caps": [s.cap.value for s in gw.states],
-        "ring_walk_share": gw.notes.get("prefix:walked", 0) / len(served) if served else 0.0,
+        "final_caps": [s.cap.value for s in gws[0].states],
+        "ring_walk_share": sum(gw.notes.get("prefix:walked", 0) for gw in gws) / len(served)
+        if served
+        else 0.0,
         "wall_s": wall,
     }
 
@@ -377,6 +399,7 @@ def run(
     seed: str | int = 0,
     load_basis: str = "peak",
     preset: str | None = None,
+    gateways: str | int | None = None,
     **_: Any,
 ) -> list[dict[str, Any]]:
     """Every preset x trace x load x policy; rows as in the module docstring."""
@@ -387,6 +410,10 @@ def run(
     profiles = policies.split(",") if policies else list(BUILTIN_PROFILES)
     limit = int(requests) if requests is not None else None
     presets = preset.split(",") if preset else ([PRESET] if quick else list(PRESETS))
+    if gateways is None:
+        gateway_counts = [] if quick else [2]
+    else:
+        gateway_counts = [n for n in (int(x) for x in str(gateways).split(",") if x.strip()) if n > 1]
     for p in presets:
         get_preset(p)  # an unknown name fails before any replay
     rows: list[dict[str, Any]] = []
@@ -405,6 +432,7 @@ def run(
                     n_replicas,
                     int(seed),
                     load_basis,
+                    gateway_counts,
                 )
             )
     return rows
@@ -422,8 +450,8 @@ def _run_trace(
     n_replicas: int,
     seed: int,
     load_basis: str,
+    gateway_counts: list[int],
 ) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
     if quick and limit is None:
         # About four minutes of virtual time at 80% load: enough for the caps to settle.
         probe = replay(
@@ -449,42 +477,46 @@ def _run_trace(
         f"hit ratio bounds: ideal {ideal:.3f}, one LRU of the cluster's KV {bound:.3f} "
         f"(with clairvoyant eviction instead of LRU: {clairvoyant:.3f})"
     )
-    for load in load_levels:
+
+    def row(load: float, policy: str, gateways: int) -> dict[str, Any]:
         scale = basis_rate / (load * capacity) if capacity > 0 else 1.0
-        variants: list[tuple[str, str, int]] = [(p, p, DEFAULT_KEY_BLOCKS) for p in profiles]
-        for label, profile, k in variants:
-            m = replay(
-                workload, profile, scale=scale, replicas=n_replicas, preset=preset, key_blocks=k, seed=seed
-            )
-            rows.append(
-                {
-                    "preset": preset,
-                    "trace": name,
-                    "load": load,
-                    "policy": label,
-                    "ttft_p50_s": m["ttft_p50_s"],
-                    "ttft_p95_s": m["ttft_p95_s"],
-                    "ttft_p99_s": m["ttft_p99_s"],
-                    "tpot_p50_s": m["tpot_p50_s"],
-                    "tpot_p95_s": m["tpot_p95_s"],
-                    "prefix_hit_ratio": m["prefix_hit_ratio"],
-                    "ideal_hit_ratio": ideal,
-                    "capacity_hit_ratio": bound,
-                    "belady_hit_ratio": clairvoyant,
-                    "throughput_tok_s": m["throughput_tok_s"],
-                    "imbalance": m["imbalance"],
-                    "requests": m["served"],
-                    "refused": m["refused"],
-                    "preemptions": m["preemptions"],
-                    "ring_walk_share": m["ring_walk_share"],
-                    "capacity_req_s": capacity,
-                    "load_basis": load_basis,
-                    "mean_load": natural_rate / scale / capacity if capacity > 0 else 0.0,
-                    "peak_load": busiest / scale / capacity if capacity > 0 else 0.0,
-                    "source": source,
-                    "sim_wall_s": round(m["wall_s"], 2),
-                }
-            )
+        m = replay(
+            workload, policy, scale=scale, replicas=n_replicas, preset=preset, seed=seed, gateways=gateways
+        )
+        return {
+            "preset": preset,
+            "trace": name,
+            "load": load,
+            "policy": policy,
+            "gateways": gateways,
+            "ttft_p50_s": m["ttft_p50_s"],
+            "ttft_p95_s": m["ttft_p95_s"],
+            "ttft_p99_s": m["ttft_p99_s"],
+            "tpot_p50_s": m["tpot_p50_s"],
+            "tpot_p95_s": m["tpot_p95_s"],
+            "prefix_hit_ratio": m["prefix_hit_ratio"],
+            "ideal_hit_ratio": ideal,
+            "capacity_hit_ratio": bound,
+            "belady_hit_ratio": clairvoyant,
+            "throughput_tok_s": m["throughput_tok_s"],
+            "imbalance": m["imbalance"],
+            "requests": m["served"],
+            "refused": m["refused"],
+            "preemptions": m["preemptions"],
+            "ring_walk_share": m["ring_walk_share"],
+            "capacity_req_s": capacity,
+            "load_basis": load_basis,
+            "mean_load": natural_rate / scale / capacity if capacity > 0 else 0.0,
+            "peak_load": busiest / scale / capacity if capacity > 0 else 0.0,
+            "source": source,
+            "sim_wall_s": round(m["wall_s"], 2),
+        }
+
+    rows = [row(load, policy, 1) for load in load_levels for policy in profiles]
+    if ideal > 0:
+        # Several gateways that share no state: what each cache-aware policy loses to them.
+        load = 0.8 if 0.8 in load_levels else load_levels[len(load_levels) // 2]
+        rows += [row(load, policy, n) for n in gateway_counts for policy in profiles if policy in CACHE_AWARE]
     _print(rows, preset, name)
     return rows
 
@@ -492,7 +524,7 @@ def _run_trace(
 def _print(rows: list[dict[str, Any]], preset: str, trace: str) -> None:
     from tidal.cli.bench import print_table
 
-    mine = [r for r in rows if r["trace"] == trace and r["preset"] == preset]
+    mine = [r for r in rows if r["trace"] == trace and r["preset"] == preset and r["gateways"] == 1]
     for load in sorted({r["load"] for r in mine}):
         at = [r for r in mine if r["load"] == load]
         rr = next((r for r in at if r["policy"] == "round_robin"), None)
@@ -523,4 +555,33 @@ def _print(rows: list[dict[str, Any]], preset: str, trace: str) -> None:
             }
             for r in at
         ]
+        print_table(table)
+    many = [r for r in rows if r["trace"] == trace and r["preset"] == preset and r["gateways"] > 1]
+    if many:
+        one = {(r["load"], r["policy"]): r for r in mine}
+        click.echo(
+            f"\n{trace} through several gateways that share no state, each request to one at random "
+            f"({many[0]['load']:.0%} load; vs_one = against one gateway; x RR = against one gateway's round robin)"
+        )
+        table = []
+        for r in many:
+            base = one.get((r["load"], r["policy"]))
+            rr = one.get((r["load"], "round_robin"))
+            table.append(
+                {
+                    "policy": r["policy"],
+                    "gateways": r["gateways"],
+                    "ttft_p95": _fmt_ms(r["ttft_p95_s"]),
+                    "x_rr": f"{r['ttft_p95_s'] / rr['ttft_p95_s']:.2f}"
+                    if rr and rr["ttft_p95_s"] > 0
+                    else "-",
+                    "ttft_vs_one": f"{r['ttft_p95_s'] / base['ttft_p95_s']:.2f}" if base else "-",
+                    "hit": f"{r['prefix_hit_ratio']:.3f}",
+                    "of_ideal": f"{r['prefix_hit_ratio'] / r['ideal_hit_ratio']:.0%}",
+                    "hit_vs_one": f"{r['prefix_hit_ratio'] / base['prefix_hit_ratio'] - 1:+.1%}"
+                    if base and base["prefix_hit_ratio"] > 0
+                    else "-",
+                    "tpot_p95": _fmt_ms(r["tpot_p95_s"]),
+                }
+            )
         print_table(table)

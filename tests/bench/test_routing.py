@@ -115,3 +115,20 @@ def test_each_preset_gets_its_own_rows_and_capacity_bound(tmp_path: Path) -> Non
 def test_an_unknown_preset_fails_before_any_replay(tmp_path: Path) -> None:
     with pytest.raises(KeyError, match="unknown preset"):
         run(quick=True, out_dir=tmp_path, trace=str(_mooncake_file(tmp_path)), preset="no-such-gpu")
+
+
+def test_several_gateways_share_the_replicas_but_not_their_state(tmp_path: Path) -> None:
+    rows = run(
+        quick=True,
+        out_dir=tmp_path,
+        trace=str(_mooncake_file(tmp_path)),
+        loads="0.5",
+        policies="tidal,round_robin",
+        replicas="4",
+        gateways="2",
+    )
+    # One gateway for every policy, then two for the cache-aware ones only.
+    assert [(r["policy"], r["gateways"]) for r in rows] == [("tidal", 1), ("round_robin", 1), ("tidal", 2)]
+    one, _, two = rows
+    assert two["requests"] == one["requests"] == 120 and two["refused"] == 0
+    assert 0 < two["prefix_hit_ratio"] <= two["ideal_hit_ratio"] + 1e-9
