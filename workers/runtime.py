@@ -185,7 +185,8 @@ class WorkerRuntime:
         self.consumer: Any = None  # Celery's consumer, set when the worker is ready
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tidal-chunks", daemon=True)
-        self._replica_sets: dict[tuple[str, str | None, str | None], ReplicaSet] = {}
+        # (lane, pools, group) -> its replica set: batches of different models use different pools
+        self._replica_sets: dict[tuple[str, tuple[str, ...], str | None], ReplicaSet] = {}
         self._runtime_lock = threading.Lock()
         self._runtime: dict[str, list[ReplicaSpec]] = {}  # pool -> replicas registered at run time
         self._runtime_read_at = -math.inf
@@ -538,8 +539,10 @@ class WorkerRuntime:
             self._runtime, self._runtime_read_at = found, time.monotonic()
             return found
 
-    def _replica_set(self, key: tuple[str, str | None, str | None], plan: _Plan) -> ReplicaSet:
-        """The lane's replica set, its membership brought up to ``plan`` (on the event loop)."""
+    def _replica_set(self, plan: _Plan, group: str | None) -> ReplicaSet:
+        """The replica set of ``plan``'s pools, its membership brought up to ``plan`` (on the
+        event loop)."""
+        key = (plan.lane, tuple(sorted({p.name for p, _ in plan.replicas})), group)
         rs = self._replica_sets.get(key)
         current = {(s.name, s.client.base_url): s for s in rs.slots} if rs is not None else {}
         slots = [
@@ -559,7 +562,7 @@ class WorkerRuntime:
         return rs
 
     async def _execute(self, work: ChunkWork, batch: BatchRecord, plan: _Plan) -> ChunkOutcome:
-        rs = self._replica_set((work.lane, batch.pool, batch.replica_group), plan)
+        rs = self._replica_set(plan, batch.replica_group)
         last_beat = time.monotonic()
 
         async def record(results: list[LineResult]) -> int:
