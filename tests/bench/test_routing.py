@@ -44,15 +44,14 @@ def _mooncake_file(tmp_path: Path) -> Path:
     return path
 
 
+def _run_tiny(tmp_path: Path, **options: str) -> list[dict[str, Any]]:
+    """The quick benchmark on the tiny trace at 50% load (``options`` as on the command line)."""
+    options = {"loads": "0.5", "policies": "tidal,round_robin", "replicas": "4", **options}
+    return run(quick=True, out_dir=tmp_path, trace=str(_mooncake_file(tmp_path)), **options)
+
+
 def test_a_trace_file_gives_one_row_per_trace_load_and_policy(tmp_path: Path) -> None:
-    rows = run(
-        quick=True,
-        out_dir=tmp_path,
-        trace=str(_mooncake_file(tmp_path)),
-        loads="0.5",
-        policies="tidal,round_robin",
-        replicas="4",
-    )
+    rows = _run_tiny(tmp_path)
     assert [(r["load"], r["policy"]) for r in rows] == [(0.5, "tidal"), (0.5, "round_robin")]
     for row in rows:
         assert set(row) >= COLUMNS
@@ -96,11 +95,8 @@ def test_an_azure_csv_runs_too(tmp_path: Path) -> None:
 
 
 def test_each_preset_gets_its_own_rows_and_capacity_bound(tmp_path: Path) -> None:
-    rows = run(
-        quick=True,
-        out_dir=tmp_path,
-        trace=str(_mooncake_file(tmp_path)),
-        loads="0.5",
+    rows = _run_tiny(
+        tmp_path,
         policies="tidal",
         replicas="2",
         preset="llama-3.1-70b-fp8-h200-tp4,llama-3.1-70b-fp8-h200-tp8",
@@ -114,19 +110,11 @@ def test_each_preset_gets_its_own_rows_and_capacity_bound(tmp_path: Path) -> Non
 
 def test_an_unknown_preset_fails_before_any_replay(tmp_path: Path) -> None:
     with pytest.raises(KeyError, match="unknown preset"):
-        run(quick=True, out_dir=tmp_path, trace=str(_mooncake_file(tmp_path)), preset="no-such-gpu")
+        _run_tiny(tmp_path, preset="no-such-gpu")
 
 
 def test_several_gateways_share_the_replicas_but_not_their_state(tmp_path: Path) -> None:
-    rows = run(
-        quick=True,
-        out_dir=tmp_path,
-        trace=str(_mooncake_file(tmp_path)),
-        loads="0.5",
-        policies="tidal,round_robin",
-        replicas="4",
-        gateways="2",
-    )
+    rows = _run_tiny(tmp_path, gateways="2")
     # One gateway for every policy, then two for the cache-aware ones only.
     assert [(r["policy"], r["gateways"]) for r in rows] == [("tidal", 1), ("round_robin", 1), ("tidal", 2)]
     one, _, two = rows
