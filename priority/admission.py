@@ -8,7 +8,9 @@ routing benchmark (virtual time) run the very same object:
 * otherwise it **queues** -- FIFO per class, strict class priority (smaller vLLM priority first)
   -- if the gateway queue has room and the wait the pool's measured drain rate predicts fits the
   class's wait budget; a queued request is granted a slot by :meth:`Admission.wake` when one
-  frees, or expires at its budget's end;
+  frees, or expires at its budget's end. The rate counts as measured once the window holds
+  ``MIN_DRAIN_SAMPLES`` completions: a burst after a calm spell, when one or two recent
+  completions would predict a wait many times too long, queues and is bounded by its deadline;
 * a request that cannot queue or that expired **overflows** to the external provider when one is
   configured and the feature is not ``regulated``, else is **rejected** with ``Retry-After``
   computed from the drain rate (requests ahead / completions per second).
@@ -38,7 +40,10 @@ from typing import Any, Protocol
 from priority.window import SlidingWindow
 from tidal.clock import Clock
 
-__all__ = ["Admission", "CapacitySource", "Decision", "Outcome", "Ticket", "Verdict"]
+__all__ = ["MIN_DRAIN_SAMPLES", "Admission", "CapacitySource", "Decision", "Outcome", "Ticket", "Verdict"]
+
+# Completions in the window before the drain rate may refuse a request on its expected wait.
+MIN_DRAIN_SAMPLES = 5
 
 
 class Decision(StrEnum):
@@ -219,9 +224,10 @@ class Admission:
             return Verdict(Decision.ADMIT), ticket
         if self.queued_total >= self.max_queue:
             return self._refuse(ticket, wait_budget_s, "the gateway queue is full"), ticket
+        measured = self._drained[pool].count() >= MIN_DRAIN_SAMPLES
         rate = self.drain_rate(pool)
         ahead = q.ahead_of(priority)
-        if wait_budget_s <= 0 or (rate > 0 and (ahead + 1) / rate > wait_budget_s):
+        if wait_budget_s <= 0 or (measured and (ahead + 1) / rate > wait_budget_s):
             return self._refuse(ticket, wait_budget_s, "the expected wait exceeds the class's budget"), ticket
         ticket.state = "waiting"
         q.by_priority.setdefault(priority, deque()).append(ticket)

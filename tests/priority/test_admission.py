@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from priority.admission import Admission, Decision, Outcome
+from priority.admission import MIN_DRAIN_SAMPLES, Admission, Decision, Outcome
 from tidal.clock import ManualClock
 
 
@@ -129,3 +129,19 @@ def test_queue_wait_quantile_covers_admitted_requests() -> None:
     slots.free["p"] = 1
     a.wake("p")
     assert a.queue_wait_quantile("p", 1.0) == 0.5
+
+
+def test_a_burst_after_a_calm_spell_queues_until_the_drain_rate_is_measured() -> None:
+    # Given a pool that finished one request in the window (0.2/s: the calm, not its capacity)
+    a, _, clock = make(free=0, max_queue=100)
+    a.completed("p")
+    clock.advance(1.0)
+    # When a burst arrives whose wait that rate would put far beyond the budget (14 / 0.2 = 70 s)
+    verdicts = [offer(a, budget=30)[0].decision for _ in range(14)]
+    # Then it queues (each bounded by its deadline) rather than being refused at once
+    assert verdicts == [Decision.QUEUE] * 14
+    # And once enough completions measure the rate, the expected wait decides again
+    for _ in range(MIN_DRAIN_SAMPLES):
+        a.completed("p")
+    assert a.drain_rate("p") == (MIN_DRAIN_SAMPLES + 1) / 5.0
+    assert offer(a, budget=2)[0].decision is Decision.REJECT
