@@ -84,7 +84,27 @@ class EvalError(RuntimeError):
     """The eval could not be run or gave no usable score."""
 
 
-class ReplicaEvalRunner:
+class _Runner:
+    """What both runners share: the model each pool serves, and the score from the report."""
+
+    models: dict[str, str]
+
+    async def report(self, pool: str, group: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def score(self, pool: str, group: str) -> float:
+        """The group's score: the share of scored items answered right, in [0, 1]."""
+        result = await self.report(pool, group)
+        return float(result["score"])
+
+    def _model(self, pool: str) -> str:
+        model = self.models.get(pool)
+        if model is None:
+            raise EvalError(f"no model known for pool {pool!r}")
+        return model
+
+
+class ReplicaEvalRunner(_Runner):
     """The ``eval`` job kind against one group's replicas, directly (see the module docstring).
 
     **Parameters:** ``registry`` -- where the replicas are listed (the gateway's admin API);
@@ -154,16 +174,9 @@ class ReplicaEvalRunner:
             max_items=self.max_items,
         )
 
-    async def score(self, pool: str, group: str) -> float:
-        """The group's score: the share of scored items answered right, in [0, 1]."""
-        result = await self.report(pool, group)
-        return float(result["score"])
-
     async def report(self, pool: str, group: str) -> dict[str, Any]:
         """The eval job's summary for the group (``score``, ``ci95``, ``n``, ``failed``, ...)."""
-        model = self.models.get(pool)
-        if model is None:
-            raise EvalError(f"no model known for pool {pool!r}")
+        model = self._model(pool)
         replicas = [
             v
             for v in await self.registry.replicas()
@@ -227,7 +240,7 @@ class ReplicaEvalRunner:
         return {a.custom_id: a for a in answers}
 
 
-class JobEvalRunner:
+class JobEvalRunner(_Runner):
     """The eval as a job of the batch tier, through the gateway's jobs API (see the module docstring).
 
     **Parameters:** ``gateway_url`` -- the gateway (http/https) the scheduler was configured with;
@@ -305,16 +318,9 @@ class JobEvalRunner:
                 self._file_id = str((await self._call(session, "POST", "/v1/files", data=form))["id"])
             return self._file_id
 
-    async def score(self, pool: str, group: str) -> float:
-        """The group's score: the share of scored items answered right, in [0, 1]."""
-        result = await self.report(pool, group)
-        return float(result["score"])
-
     async def report(self, pool: str, group: str) -> dict[str, Any]:
         """The finished job's ``result`` (``score``, ``ci95``, ``n``, ``failed``, ...)."""
-        model = self.models.get(pool)
-        if model is None:
-            raise EvalError(f"no model known for pool {pool!r}")
+        model = self._model(pool)
         async with aiohttp.ClientSession(timeout=self._timeout) as session:
             file_id = await self._upload(session)
             body = {
