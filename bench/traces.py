@@ -42,7 +42,7 @@ import os
 import random
 import statistics
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -348,6 +348,17 @@ def prompt_text(req: TraceRequest, *, tokens_per_block: int | None = None) -> st
     return " ".join(words)
 
 
+def _leading_hit_tokens(r: TraceRequest, held: Container[int]) -> int:
+    """Prompt tokens of ``r`` in its leading run of block ids found in ``held`` (the last block
+    counts only the tokens it holds)."""
+    hit = 0
+    for i, h in enumerate(r.hash_ids):
+        if h not in held:
+            break
+        hit += min(r.block_tokens, r.input_length - i * r.block_tokens)
+    return hit
+
+
 def ideal_hit_ratio(requests: Sequence[TraceRequest]) -> float:
     """Prompt tokens a single infinite prefix cache would serve, over all prompt tokens.
 
@@ -357,14 +368,9 @@ def ideal_hit_ratio(requests: Sequence[TraceRequest]) -> float:
     seen: set[int] = set()
     hit = total = 0
     for r in sorted(requests, key=lambda x: x.arrival_s):
-        bt = r.block_tokens
-        ids = r.hash_ids
         total += r.input_length
-        for i, h in enumerate(ids):
-            if h not in seen:
-                break
-            hit += min(bt, r.input_length - i * bt)
-        seen.update(ids)
+        hit += _leading_hit_tokens(r, seen)
+        seen.update(r.hash_ids)
     return hit / total if total else 0.0
 
 
@@ -382,15 +388,10 @@ def capacity_hit_ratio(requests: Sequence[TraceRequest], capacity_tokens: int) -
     lru: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     for r in sorted(requests, key=lambda x: x.arrival_s):
-        bt = r.block_tokens
-        cap = max(1, capacity_tokens // bt)
-        ids = r.hash_ids
+        cap = max(1, capacity_tokens // r.block_tokens)
         total += r.input_length
-        for i, h in enumerate(ids):
-            if h not in lru:
-                break
-            hit += min(bt, r.input_length - i * bt)
-        for h in reversed(ids):
+        hit += _leading_hit_tokens(r, lru)
+        for h in reversed(r.hash_ids):
             lru[h] = None
             lru.move_to_end(h)
         while len(lru) > cap:
@@ -415,13 +416,9 @@ def belady_hit_ratio(requests: Sequence[TraceRequest], capacity_tokens: int) -> 
     furthest: list[tuple[int, int]] = []  # (-next use, block), stale entries skipped
     hit = total = 0
     for r in ordered:
-        bt = r.block_tokens
-        cap = max(1, capacity_tokens // bt)
+        cap = max(1, capacity_tokens // r.block_tokens)
         total += r.input_length
-        for j, h in enumerate(r.hash_ids):
-            if h not in cached:
-                break
-            hit += min(bt, r.input_length - j * bt)
+        hit += _leading_hit_tokens(r, cached)
         for h in r.hash_ids:
             seen_uses[h] += 1
             later = uses[h]
