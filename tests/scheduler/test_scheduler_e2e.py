@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from priority.queues import Topology, declare_topology
+from priority.queues import Topology
 from replicas.launcher import ReplicaProcess, free_port
 from replicas.metrics import parse_samples
 from tests.api.harness import ADMIN_KEY, DEV_KEY, run_gateway
@@ -32,6 +32,7 @@ from tests.batch_tier import (
     read_jsonl,
     require_postgres,
     require_rabbitmq,
+    running_tier,
     wait_for,
 )
 
@@ -83,14 +84,8 @@ def _metric(url: str, name: str, **labels: str) -> float:
 def tier(tmp_path: Path, vllm_urls: list[str]) -> Iterator[BatchTier]:
     require_rabbitmq()
     require_postgres()
-    with postgres_database() as url:
-        t = BatchTier(root=tmp_path, database_url=url, fleet=_fleet(vllm_urls[0]))
-        t.write_fleet()
-        declare_topology(t.broker_url, Topology(t.namespace))
-        try:
-            yield t
-        finally:
-            t.close()
+    with postgres_database() as url, running_tier(tmp_path, url, _fleet(vllm_urls[0])) as t:
+        yield t
 
 
 @contextlib.contextmanager
