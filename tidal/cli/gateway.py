@@ -8,17 +8,13 @@ from pathlib import Path
 
 import click
 
+from tidal.cli.options import fleet_config_option, load_fleet_or_exit
+
 __all__ = ["gateway"]
 
 
 @click.command()
-@click.option(
-    "--config",
-    "config",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="Fleet config (default: TIDAL_FLEET_CONFIG, else the embedded one).",
-)
+@fleet_config_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option(
     "--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on."
@@ -44,17 +40,10 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
 
     from api import create_app
     from router.loader import RouterConfigError
-    from tidal.defaults import DEFAULT_FLEET_PATH
-    from tidal.fleet import FleetConfigError, load_fleet
     from tidal.settings import get_settings
 
     settings = get_settings()
-    path = config or settings.fleet_config or DEFAULT_FLEET_PATH
-    try:
-        fleet = load_fleet(path)
-    except FleetConfigError as exc:
-        click.echo(str(exc), err=True)
-        sys.exit(1)
+    path, fleet = load_fleet_or_exit(config, settings)
     try:
         app = create_app(fleet, settings)
     except RouterConfigError as exc:

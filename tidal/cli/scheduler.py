@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
+from tidal.cli.options import fleet_config_option, load_fleet_or_exit
+
 if TYPE_CHECKING:
     from scheduler.service import SchedulerOptions
     from tidal.fleet import FleetConfig
@@ -25,13 +27,7 @@ __all__ = ["scheduler"]
 
 
 @click.command()
-@click.option(
-    "--config",
-    "config",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="Fleet config (default: TIDAL_FLEET_CONFIG, else the embedded one).",
-)
+@fleet_config_option
 @click.option(
     "--gateway",
     "gateways",
@@ -126,20 +122,13 @@ def scheduler(
     from pydantic import ValidationError
 
     from scheduler.service import SchedulerOptions, SchedulerSetupError
-    from tidal.defaults import DEFAULT_FLEET_PATH
-    from tidal.fleet import FleetConfigError, load_fleet
     from tidal.settings import get_settings
 
     try:
         settings = get_settings()
     except ValidationError as exc:
         _fail(f"settings: {exc}")
-    path = config or settings.fleet_config or DEFAULT_FLEET_PATH
-    try:
-        fleet = load_fleet(path)
-    except FleetConfigError as exc:
-        click.echo(str(exc), err=True)
-        sys.exit(1)
+    path, fleet = load_fleet_or_exit(config, settings)
     if not settings.admin_key:
         _fail("TIDAL_ADMIN_KEY is not set: the scheduler calls the gateway's /admin API with it")
     try:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from tidal.cli.options import fleet_config_option, load_fleet_or_exit
+
 __all__ = ["worker"]
 
 
@@ -18,13 +20,7 @@ __all__ = ["worker"]
     help="Which lane: reserved (batch pool), spot (preemptible), shared (borrowed interactive "
     "replicas), all (every queue in one light process, as `tidal up` runs it).",
 )
-@click.option(
-    "--config",
-    "config",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="Fleet config (default: TIDAL_FLEET_CONFIG, else the embedded one).",
-)
+@fleet_config_option
 @click.option(
     "--concurrency",
     default=4,
@@ -47,18 +43,11 @@ def worker(
     """
     import logging
 
-    from tidal.defaults import DEFAULT_FLEET_PATH
-    from tidal.fleet import FleetConfigError, load_fleet
     from tidal.settings import get_settings
     from workers.main import run_worker
 
     settings = get_settings()
-    path = config or settings.fleet_config or DEFAULT_FLEET_PATH
-    try:
-        fleet = load_fleet(path)
-    except FleetConfigError as exc:
-        click.echo(str(exc), err=True)
-        sys.exit(1)
+    path, fleet = load_fleet_or_exit(config, settings)
     try:
         run_worker(
             settings,
