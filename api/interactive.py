@@ -34,7 +34,6 @@ from priority.features import FEATURE_HEADER, PlanError, estimate_tokens, plan_r
 from replicas.client import ReplicaClient
 from router.adapters import AdapterManager
 from router.loader import build_router
-from router.plugins.producers.block_index import INDEX_TYPE, TREE_TYPE
 from router.prefix import chat_prefix_key, completion_prefix_key, render_messages, text_blocks
 from router.registry import ReplicaRegistry, ReplicaState
 from router.scraper import MetricsScraper
@@ -116,8 +115,8 @@ class InteractiveService:
             retry_before_first_token=fleet.gateway.retry_before_first_token,
         )
         default = self.router.profiles[self.router.default]
-        # Block hashes cost time per request; compute them only for profiles that read them.
-        self.needs_blocks = any(p.TYPE in (INDEX_TYPE, TREE_TYPE) for p in default.producers)
+        # Block hashes cost time per request; compute them only when the profile reads them.
+        self.needs_blocks = any(p.READS_BLOCKS for p in default.producers)
         self._scrape_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 

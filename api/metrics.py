@@ -8,6 +8,8 @@ Prometheus (``GET /metrics``):
   rejected_429, overflowed, context_cap_400, errors;
 * ``tidal_router_decisions_total{profile, replica}``, ``tidal_router_prefix_total{result}``
   (hit / followed / walked / miss / none), ``tidal_router_session_total{result}``,
+  ``tidal_router_prefill_cost_total{result}`` (cached: placed where part of the prompt is
+  cached; cold: cached nowhere, placed where the least prefill waits),
   ``tidal_router_ring_walks_total``, ``tidal_router_adapter_loads_total{replica}``,
   ``tidal_router_adapter_evictions_total{replica}``,
   ``tidal_router_plugin_duration_seconds{extension, type, name}``;
@@ -202,6 +204,12 @@ class GatewayMetrics:
         self.session = Counter(
             "tidal_router_session", "Session-ring placement results", ["result"], registry=r
         )
+        self.prefill_cost = Counter(
+            "tidal_router_prefill_cost",
+            "Prefill-cost placements: where the prompt is partly cached, or cold",
+            ["result"],
+            registry=r,
+        )
         self.ring_walks = Counter(
             "tidal_router_ring_walks", "Replicas skipped on the ring (over the load bound)", registry=r
         )
@@ -234,6 +242,7 @@ class GatewayMetrics:
         self._decisions = _Children(self.decisions)
         self._prefix = _Children(self.prefix)
         self._session = _Children(self.session)
+        self._prefill_cost = _Children(self.prefill_cost)
 
     def attach_live(self, registry: ReplicaRegistry, admission: Admission) -> None:
         self.prom.register(_LiveState(registry, admission))
@@ -299,6 +308,8 @@ class GatewayMetrics:
             self._prefix(notes["prefix"]).inc()
         if "session" in notes:
             self._session(notes["session"]).inc()
+        if "prefill_cost" in notes:
+            self._prefill_cost(notes["prefill_cost"]).inc()
         walks = notes.get("ring_walks")
         if walks:
             self.ring_walks.inc(walks)

@@ -81,8 +81,12 @@ class Producer(Plugin, Protocol):
     """Gathers facts before the decision and updates its own index after the pick.
 
     ``replicas`` is every replica of the pool (for structures that must stay stable as replicas
-    come and go, like the hash ring); ``candidates`` what the filters left.
+    come and go, like the hash ring); ``candidates`` what the filters left. ``READS_BLOCKS`` says
+    it reads :attr:`RouteRequest.prefix_blocks`, which the gateway hashes only when a producer of
+    the default profile does.
     """
+
+    READS_BLOCKS: ClassVar[bool]
 
     def produce(
         self,

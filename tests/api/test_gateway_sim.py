@@ -69,6 +69,20 @@ def test_chat_and_embeddings_through_the_sdk(gateway: Gateway) -> None:
     assert emb.data[0].embedding != emb.data[1].embedding
 
 
+def test_a_conversation_is_placed_where_the_gateway_knows_its_history_is_cached(gateway: Gateway) -> None:
+    # Given the default profile, whose prefill cost reads the gateway's KV index of each replica,
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=DEV_KEY, max_retries=0)
+    before = gateway.metric("tidal_router_prefill_cost_total", result="cached")
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 40}]
+    # When three turns of one conversation go through the gateway,
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"Question {turn}?"})
+        reply = client.chat.completions.create(model="chat-model", messages=messages, max_tokens=4)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content or "ok"})
+    # Then the second and third were placed on a replica the index says holds their history.
+    assert gateway.metric("tidal_router_prefill_cost_total", result="cached") - before == 2
+
+
 def test_tidal_up_gives_gateway_and_scheduler_one_admin_key(tmp_path: Path) -> None:
     parts = {p.name: p for p in plan_parts(DEFAULT_FLEET_PATH, port=8123, api_key="k", data_dir=tmp_path)}
     gw, sched = parts["gateway"], parts["scheduler"]

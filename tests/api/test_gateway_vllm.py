@@ -100,7 +100,7 @@ def test_a_conversation_stays_on_one_replica_and_hits_its_prefix_cache(
         parse_load_snapshot(httpx.get(p.url + "/metrics").text).prefix_cache_hits for p in vllm_pair
     ]
     before = _decisions(gateway)
-    prefix_hits_before = gateway.metric("tidal_router_prefix_total", result="hit")
+    cached_before = gateway.metric("tidal_router_prefill_cost_total", result="cached")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is my order 1234?"}]
     # When six turns of it go through the gateway,
     for turn in range(6):
@@ -109,10 +109,11 @@ def test_a_conversation_stays_on_one_replica_and_hits_its_prefix_cache(
             {"role": "assistant", "content": reply.choices[0].message.content or "ok"},
             {"role": "user", "content": f"And what about item {turn}?"},
         ]
-    # Then all of them landed on the same replica, placed there by the prefix ring,
+    # Then all of them landed on the same replica: the first where the prefix ring and the load
+    # put it, turns 2..6 where the gateway's KV index knows their history is cached,
     moved = _delta(_decisions(gateway), before)
     assert len(moved) == 1 and next(iter(moved.values())) == 6, moved
-    assert gateway.metric("tidal_router_prefix_total", result="hit") - prefix_hits_before == 6
+    assert gateway.metric("tidal_router_prefill_cost_total", result="cached") - cached_before == 5
     # and that replica's real vLLM prefix cache served the shared blocks of turns 2..6.
     chosen = int(next(iter(moved)).split("-")[1])
     after_hits = [

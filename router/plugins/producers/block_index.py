@@ -79,6 +79,7 @@ class IndexParams(PluginParams):
 class ApproxPrefixIndex:
     TYPE: ClassVar[str] = INDEX_TYPE
     KIND: ClassVar[PluginKind] = "producer"
+    READS_BLOCKS: ClassVar[bool] = True
 
     def __init__(self, name: str = INDEX_TYPE, params: IndexParams | None = None) -> None:
         self.name = name
@@ -133,6 +134,7 @@ class TreeParams(PluginParams):
 class RadixTree:
     TYPE: ClassVar[str] = TREE_TYPE
     KIND: ClassVar[PluginKind] = "producer"
+    READS_BLOCKS: ClassVar[bool] = True
 
     def __init__(self, name: str = TREE_TYPE, params: TreeParams | None = None) -> None:
         self.name = name

@@ -75,6 +75,7 @@ def leading_run(held: Mapping[int, Any], blocks: Sequence[int]) -> int:
 class KVIndex:
     TYPE: ClassVar[str] = KV_INDEX_TYPE
     KIND: ClassVar[PluginKind] = "producer"
+    READS_BLOCKS: ClassVar[bool] = True
 
     def __init__(self, name: str = KV_INDEX_TYPE, params: Params | None = None) -> None:
         self.name = name

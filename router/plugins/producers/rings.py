@@ -68,6 +68,7 @@ class Params(PluginParams):
 
 class _Ring:
     KIND: ClassVar[PluginKind] = "producer"
+    READS_BLOCKS: ClassVar[bool] = False
     TYPE: ClassVar[str]
     _KEY: ClassVar[StateKey[BoundedChoice]]
     _NOTE: ClassVar[str]

@@ -99,10 +99,10 @@ class PrefillCostScorer:
         costs = prefill_costs(request, candidates, state, self.params)
         if not costs:
             return {}
-        best, worst = min(costs.values()), max(costs.values())
-        if worst <= best:
-            return dict.fromkeys(costs, 1.0)
         cached = state.get(CACHED_TOKENS) or {}
         top = min(costs, key=lambda n: costs[n])
         state.notes["prefill_cost"] = "cached" if cached.get(top, 0) > 0 else "cold"
+        best, worst = costs[top], max(costs.values())
+        if worst <= best:
+            return dict.fromkeys(costs, 1.0)
         return {n: (worst - c) / (worst - best) for n, c in costs.items()}
