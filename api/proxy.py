@@ -124,20 +124,31 @@ class ProxyJob:
             self.handle.abort("the client went away")
 
 
+_HOLD_LIMIT = 256 * 1024
+_OUTPUT_KEYS = ("content", "tool_calls", "reasoning_content", "reasoning")
+
+
 class _FirstToken:
-    """Scans SSE bytes until the first event that carries output (or an error, or the end)."""
+    """Scans SSE bytes until the first event that carries output (or an error, or the end).
 
-    __slots__ = ("_buf",)
+    A generated token counts even when its text is empty (a token that decodes to nothing yet, or
+    a special one): only chat's opening role chunk is not output. A stream still without output
+    after ``limit`` bytes is passed through as started, so the hold is bounded.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_buf", "_left")
+
+    def __init__(self, limit: int = _HOLD_LIMIT) -> None:
         self._buf = b""
+        self._left = limit
 
     def feed(self, piece: bytes) -> str | None:
         self._buf += piece
+        self._left -= len(piece)
         while True:
             sep = self._buf.find(b"\n\n")
             if sep == -1:
-                return None
+                return "token" if self._left < 0 else None
             event, self._buf = self._buf[:sep], self._buf[sep + 2 :]
             for line in event.split(b"\n"):
                 if not line.startswith(b"data:"):
@@ -157,10 +168,11 @@ class _FirstToken:
                     if not isinstance(choice, dict):
                         continue
                     delta = choice.get("delta")
-                    if choice.get("text") or choice.get("finish_reason"):
+                    if isinstance(choice.get("text"), str) or choice.get("finish_reason"):
                         return "token"
-                    if isinstance(delta, dict) and any(
-                        delta.get(k) for k in ("content", "tool_calls", "reasoning_content", "reasoning")
+                    if isinstance(delta, dict) and (
+                        any(delta.get(k) for k in _OUTPUT_KEYS)
+                        or ("role" not in delta and any(delta.get(k) is not None for k in _OUTPUT_KEYS))
                     ):
                         return "token"
 

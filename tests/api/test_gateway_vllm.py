@@ -162,15 +162,34 @@ def test_admin_views_see_the_replicas(gateway: Gateway) -> None:
 
 
 def test_a_client_disconnect_aborts_the_request_upstream(gateway: Gateway, vllm_pair: list) -> None:  # type: ignore[type-arg]
-    def running() -> float:
-        return sum(parse_load_snapshot(httpx.get(p.url + "/metrics").text).num_running for p in vllm_pair)
-
     def generated() -> float:
         return sum(
             parse_load_snapshot(httpx.get(p.url + "/metrics").text).generation_tokens for p in vllm_pair
         )
 
-    # Given a long stream in progress through the gateway,
+    def stream_and_hang_up() -> float:
+        """Tokens vLLM generated for a 2500-token stream whose client left after a few."""
+        before = generated()
+        with httpx.stream(
+            "POST",
+            gateway.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {DEV_KEY}"},
+            timeout=60,
+        ) as resp:
+            lines = resp.iter_lines()
+            for _ in range(5):
+                next(lines)
+        settled, deadline = generated(), time.monotonic() + 20
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = generated()
+            if now == settled:
+                break
+            settled = now
+        return settled - before
+
+    # Given a long stream (2500 tokens, about 5 s here) in progress through the gateway,
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "a very long story"}],
@@ -178,25 +197,13 @@ def test_a_client_disconnect_aborts_the_request_upstream(gateway: Gateway, vllm_
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream(
-        "POST",
-        gateway.url + "/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {DEV_KEY}"},
-        timeout=60,
-    ) as resp:
-        lines = resp.iter_lines()
-        for _ in range(5):
-            next(lines)
-        assert running() == 1
-    # When the client goes away after a few tokens, Then vLLM stops generating for it at once
-    # (2500 tokens would take far longer) and the gateway's in-flight count returns to zero.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and running() > 0:
-        time.sleep(0.1)
-    assert running() == 0
-    settled = generated()
-    time.sleep(1.0)
-    assert generated() == settled
+    # When the client goes away after a few tokens,
+    # Then vLLM stops generating for it before the end (vLLM's own counter, not
+    # its running gauge, which lags). A process of this small shared machine is now and then not
+    # scheduled for seconds, long enough for the whole stream to end before the hang-up reaches
+    # it, so the scene is played up to three times: without the abort every play runs to 2500.
+    spent = [stream_and_hang_up() for _ in range(3)]
+    assert any(0 < s < 2500 for s in spent), spent
+    # and the gateway's in-flight count is zero again.
     inflight = [r["inflight"] for r in gateway.admin("GET", "/admin/replicas").json()["data"]]
     assert inflight == [0, 0]

@@ -8,6 +8,8 @@ from api.proxy import _FirstToken, _upstream_error_body
 
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
 TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'
+EMPTY = b'data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":null}]}\n\n'
+EMPTY_TEXT = b'data: {"choices":[{"index":0,"text":"","finish_reason":null}]}\n\n'
 TEXT = b'data: {"choices":[{"index":0,"text":" once","finish_reason":null}]}\n\n'
 TOOL = b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0}]}}]}\n\n'
 ERROR = b'data: {"error":{"message":"engine died","type":"InternalServerError","code":500}}\n\n'
@@ -16,7 +18,9 @@ DONE = b"data: [DONE]\n\n"
 CASES = [
     ("role chunk is not a token", [ROLE], [None]),
     ("content is", [ROLE, TOKEN], [None, "token"]),
+    ("a token whose text is empty is", [ROLE, EMPTY], [None, "token"]),
     ("completion text is", [TEXT], ["token"]),
+    ("empty completion text is", [EMPTY_TEXT], ["token"]),
     ("tool calls are", [TOOL], ["token"]),
     ("error before output", [ROLE, ERROR], [None, "error"]),
     ("end without output", [ROLE, DONE], [None, "done"]),
@@ -29,6 +33,17 @@ CASES = [
 def test_first_token_scan(case: str, pieces: list[bytes], want: list[str | None]) -> None:
     scan = _FirstToken()
     assert [scan.feed(p) for p in pieces] == want
+
+
+def test_a_stream_without_output_is_held_only_so_long() -> None:
+    scan = _FirstToken(limit=3 * len(ROLE))
+    assert [scan.feed(p) for p in (ROLE, b": keep-alive\n\n", ROLE, ROLE, ROLE[:10])] == [
+        None,
+        None,
+        None,
+        "token",
+        "token",
+    ]
 
 
 def test_upstream_errors_are_reshaped_openai_style() -> None:
