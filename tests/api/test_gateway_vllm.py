@@ -169,6 +169,15 @@ def test_admin_views_see_the_replicas(gateway: Gateway) -> None:
 
 
 def test_a_client_disconnect_aborts_the_request_upstream(gateway: Gateway, vllm_pair: list) -> None:  # type: ignore[type-arg]
+    # Given a long stream (2500 tokens, about 5 s here) in progress through the gateway,
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "a very long story"}],
+        "max_tokens": 2500,
+        "stream": True,
+        "ignore_eos": True,
+    }
+
     def generated() -> float:
         return sum(
             parse_load_snapshot(httpx.get(p.url + "/metrics").text).generation_tokens for p in vllm_pair
@@ -190,17 +199,9 @@ def test_a_client_disconnect_aborts_the_request_upstream(gateway: Gateway, vllm_
             settled = now
         return settled - before
 
-    # Given a long stream (2500 tokens, about 5 s here) in progress through the gateway,
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "a very long story"}],
-        "max_tokens": 2500,
-        "stream": True,
-        "ignore_eos": True,
-    }
     # When the client goes away after a few tokens,
-    # Then vLLM stops generating for it before the end (vLLM's own counter, not
-    # its running gauge, which lags). A process of this small shared machine is now and then not
+    # Then vLLM stops generating for it before the end (read on vLLM's own token counter, not its
+    # running gauge, which lags). A process of this small shared machine is now and then not
     # scheduled for seconds, long enough for the whole stream to end before the hang-up reaches
     # it, so the scene is played up to three times: without the abort every play runs to 2500.
     spent = [stream_and_hang_up() for _ in range(3)]
