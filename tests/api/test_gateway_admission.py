@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -99,45 +100,83 @@ def test_overflow_goes_to_the_external_provider_but_never_for_a_regulated_featur
                 extra_headers={"X-Tidal-Feature": "hard"},
             )
             assert reply.choices and provider.requests == 1
-            # When the only slot is busy with a long stream,
-            first_token = threading.Event()
-            stop = threading.Event()
 
-            def occupy() -> None:
-                stream = client.chat.completions.create(
-                    model="tiny",
-                    messages=[{"role": "user", "content": "long"}],
-                    stream=True,
-                    max_tokens=2500,
-                    extra_body={"ignore_eos": True},
-                )
-                for _ in stream:
-                    first_token.set()
-                    if stop.is_set():
-                        stream.close()
-                        return
+            def while_the_slot_is_busy() -> _Play:
+                """Occupy the only slot with a long stream, then send an ordinary request and a
+                regulated one."""
+                first_token, stop = threading.Event(), threading.Event()
 
-            holder = threading.Thread(target=occupy)
-            holder.start()
-            try:
-                assert first_token.wait(60)
-                # Then an ordinary request overflows to the provider and is answered,
-                reply = client.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": "overflow me"}], max_tokens=3
-                )
-                assert reply.choices and provider.requests == 2
-                # while a regulated feature's request stays home and gets 429 + Retry-After.
-                with pytest.raises(openai.RateLimitError) as err:
-                    client.chat.completions.create(
+                def occupy() -> None:
+                    stream = client.chat.completions.create(
                         model="tiny",
-                        messages=[{"role": "user", "content": "claim data"}],
-                        max_tokens=3,
-                        extra_headers={"X-Tidal-Feature": "claims"},
+                        messages=[{"role": "user", "content": "long"}],
+                        stream=True,
+                        max_tokens=2900,
+                        extra_body={"ignore_eos": True},
                     )
-                assert err.value.response.headers["retry-after"].isdigit()
-                assert provider.requests == 2 and provider.refused == 0
-            finally:
-                stop.set()
-                holder.join(60)
-            assert gw.metric("tidal_admission_outcomes_total", outcome="overflowed", feature="default") == 1
-            assert gw.metric("tidal_admission_outcomes_total", outcome="rejected_429", feature="claims") == 1
+                    for _ in stream:
+                        first_token.set()
+                        if stop.is_set():
+                            stream.close()
+                            return
+
+                holder = threading.Thread(target=occupy)
+                holder.start()
+                try:
+                    assert first_token.wait(60)
+                    before = provider.requests
+                    reply = client.chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": "overflow me"}], max_tokens=3
+                    )
+                    assert reply.choices
+                    overflowed = provider.requests - before
+                    try:
+                        client.chat.completions.create(
+                            model="tiny",
+                            messages=[{"role": "user", "content": "claim data"}],
+                            max_tokens=3,
+                            extra_headers={"X-Tidal-Feature": "claims"},
+                        )
+                        refused = None
+                    except openai.RateLimitError as err:
+                        refused = err.response.headers.get("retry-after", "")
+                    # The slot is held now, so it was held all along: the stream is its only user.
+                    held = [r["inflight"] for r in gw.admin("GET", "/admin/replicas").json()["data"]] == [1]
+                    return _Play(held, overflowed, refused, provider.requests - before - overflowed)
+                finally:
+                    stop.set()
+                    holder.join(60)
+
+            # When the only slot is busy with a long stream (a process of this small shared
+            # machine is now and then not scheduled for seconds, long enough for a 6 s stream to
+            # end before the scene does, so it is played until the slot was held throughout,
+            # at most three times),
+            plays: list[_Play] = []
+            while len(plays) < 3 and not (plays and plays[-1].held):
+                plays.append(while_the_slot_is_busy())
+            # Then a regulated feature's request never reached the provider, in any play,
+            assert all(p.regulated_at_provider == 0 for p in plays), plays
+            # and while the slot was held, an ordinary request overflowed to the provider and was
+            # answered, while the regulated one stayed home and got 429 + Retry-After.
+            held = plays[-1]
+            assert held.held, plays
+            assert held.overflowed == 1 and held.retry_after is not None and held.retry_after.isdigit(), plays
+            assert provider.refused == 0
+            overflowed = sum(p.overflowed for p in plays)
+            refused = sum(p.retry_after is not None for p in plays)
+            assert (
+                gw.metric("tidal_admission_outcomes_total", outcome="overflowed", feature="default")
+                == overflowed
+            )
+            assert (
+                gw.metric("tidal_admission_outcomes_total", outcome="rejected_429", feature="claims")
+                == refused
+            )
+
+
+@dataclass(frozen=True)
+class _Play:
+    held: bool  # the long stream still held the slot after both requests
+    overflowed: int  # ordinary requests the provider received
+    retry_after: str | None  # the regulated request's Retry-After when refused, None when served
+    regulated_at_provider: int
