@@ -51,21 +51,35 @@ def _stream(gw: Gateway, session: str, max_tokens: int) -> Iterator[str]:
 def test_failures_before_and_after_the_first_token(gateway: Gateway, doomed) -> None:  # type: ignore[no-untyped-def]
     session = session_for("replica-0", ["replica-0", "replica-1"])
 
+    def stream_marked_unhealthy() -> list[str]:
+        """The events of a long stream (2900 tokens, about 6 s) on replica-0, which the health
+        prober marks unhealthy after the stream's sixth event."""
+        events: list[str] = []
+        for i, event in enumerate(_stream(gateway, session, 2900)):
+            events.append(event)
+            if i == 5:
+                r = gateway.admin("PATCH", "/admin/replicas/replica-0", json={"healthy": False})
+                assert r.status_code == 200 and r.json()["healthy"] is False
+        gateway.admin("PATCH", "/admin/replicas/replica-0", json={"healthy": True})
+        return events
+
+    def cut(events: list[str]) -> bool:
+        return len(events) >= 2 and '"error"' in events[-2]
+
     # Given a stream on replica-0 that has delivered tokens,
     # When the health prober marks replica-0 unhealthy,
-    # Then the stream ends at once with a retryable error event and [DONE].
-    events: list[str] = []
-    t0 = time.monotonic()
-    for i, event in enumerate(_stream(gateway, session, 2500)):
-        events.append(event)
-        if i == 5:
-            r = gateway.admin("PATCH", "/admin/replicas/replica-0", json={"healthy": False})
-            assert r.status_code == 200 and r.json()["healthy"] is False
-    assert time.monotonic() - t0 < 30  # 2500 tokens would take far longer
+    # Then the stream ends at once with a retryable error event and [DONE]. (A process of this
+    # small shared machine is now and then not scheduled for seconds, long enough for the whole
+    # stream to end before the mark reaches the gateway, so the scene is played until a stream
+    # is cut, at most three times: without the cut every play runs to the end.)
+    plays: list[list[str]] = []
+    while len(plays) < 3 and not (plays and cut(plays[-1])):
+        plays.append(stream_marked_unhealthy())
+    events = plays[-1]
+    assert cut(events) and len(events) < 2900, [len(p) for p in plays]
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][len("data: ") :])["error"]
     assert error["code"] == "upstream_failed" and error["retryable"] is True
-    gateway.admin("PATCH", "/admin/replicas/replica-0", json={"healthy": True})
 
     # Given replica-0 frozen with a request waiting on it (no token yet),
     client = openai.OpenAI(
