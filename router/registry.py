@@ -57,6 +57,7 @@ class ReplicaState:
     prefill_tokens: int = 0  # prompt tokens of in-flight requests without a first token yet
     snapshot: LoadSnapshot | None = None
     snapshot_at: float | None = None
+    finished_since_snapshot: int = 0  # requests released here since ``snapshot`` was taken
     adapters: dict[str, float] = field(default_factory=dict)  # adapter -> last use (LRU order)
     adapter_inflight: Counter[str] = field(default_factory=Counter)
     handles: set[Abortable] = field(default_factory=set)
@@ -89,6 +90,7 @@ class ReplicaState:
             loaded_adapters=adapters,
             max_loras=self.max_loras,
             prefill_tokens=self.prefill_tokens,
+            finished_since_snapshot=self.finished_since_snapshot,
         )
 
 
@@ -201,6 +203,7 @@ class ReplicaRegistry:
     ) -> None:
         """A request ended; ``pending_prompt_tokens`` is its prompt if it never got a first token."""
         state.inflight = max(0, state.inflight - 1)
+        state.finished_since_snapshot += 1
         state.prefill_tokens = max(0, state.prefill_tokens - pending_prompt_tokens)
         if failed:
             state.errors += 1
@@ -218,3 +221,4 @@ class ReplicaRegistry:
         if state is not None:
             state.snapshot = snapshot
             state.snapshot_at = self.clock.now()
+            state.finished_since_snapshot = 0

@@ -27,7 +27,8 @@ class ReplicaView:
     ``inflight`` is the gateway's own count (instant) and ``prefill_tokens`` the prompt tokens
     of those requests still waiting for their first token (the prefill work queued there);
     ``snapshot`` is the last scraped ``/metrics`` (``snapshot_age_s`` old), which also carries
-    other gateways' traffic.
+    other gateways' traffic; ``finished_since_snapshot`` counts the requests this gateway has seen
+    end there since that scrape (the snapshot still counts them).
     """
 
     name: str
@@ -44,15 +45,18 @@ class ReplicaView:
     loaded_adapters: frozenset[str] = frozenset()
     max_loras: int = 0
     prefill_tokens: int = 0
+    finished_since_snapshot: int = 0
 
     @property
     def load(self) -> float:
         """Requests on this replica: the gateway's in-flight count, or the scraped running + waiting
-        when that is higher (traffic from other gateways, or work the gateway has not seen end)."""
+        (less what the gateway has seen end since) when that is higher: traffic from other
+        gateways, or work the gateway has not seen end."""
         snap = self.snapshot
         if snap is None or self.snapshot_age_s > 10.0:
             return float(self.inflight)
-        return max(float(self.inflight), snap.num_running + snap.num_waiting)
+        scraped = snap.num_running + snap.num_waiting - self.finished_since_snapshot
+        return max(float(self.inflight), scraped)
 
     @property
     def free_slots(self) -> int:

@@ -1,0 +1,65 @@
+"""The registry's replica views: the load the router reads blends the gateway's own count with the
+last scrape, without counting twice what the gateway has seen end since that scrape."""
+
+from __future__ import annotations
+
+from priority.capacity import AdaptiveCap
+from replicas.metrics import LoadSnapshot
+from router.registry import ReplicaRegistry, ReplicaState
+from tidal.clock import ManualClock
+
+
+def _registry() -> tuple[ReplicaRegistry, ReplicaState, ManualClock]:
+    clock = ManualClock()
+    reg = ReplicaRegistry(clock)
+    state = reg.add(
+        ReplicaState(
+            "r0",
+            "http://r0",
+            "interactive",
+            "m",
+            AdaptiveCap(8, minimum=1, maximum=8, slo_s=0.05, clock=clock),
+        )
+    )
+    return reg, state, clock
+
+
+def _load(reg: ReplicaRegistry) -> float:
+    return reg.views("interactive")[0].load
+
+
+def test_a_request_the_gateway_saw_end_no_longer_counts_before_the_next_scrape() -> None:
+    # Given two of this gateway's requests running, as the last scrape also saw,
+    reg, state, clock = _registry()
+    reg.acquire(state)
+    reg.acquire(state)
+    reg.update_snapshot("r0", LoadSnapshot(num_running=2.0))
+    assert _load(reg) == 2
+    # When one ends before the next scrape, the replica counts one, not the scrape's two,
+    clock.advance(0.3)
+    reg.release(state)
+    assert _load(reg) == 1
+    # and when the other ends too, none.
+    reg.release(state)
+    assert _load(reg) == 0
+
+
+def test_other_gateways_traffic_still_counts() -> None:
+    # Given a scrape that saw five requests, one of them this gateway's,
+    reg, state, _ = _registry()
+    reg.acquire(state)
+    reg.update_snapshot("r0", LoadSnapshot(num_running=4.0, num_waiting=1.0))
+    # When this gateway's request ends, the other four still count,
+    reg.release(state)
+    assert _load(reg) == 4
+    # and the next scrape starts the count of ended requests afresh.
+    reg.update_snapshot("r0", LoadSnapshot(num_running=4.0))
+    assert _load(reg) == 4
+
+
+def test_a_stale_scrape_is_ignored() -> None:
+    reg, state, clock = _registry()
+    reg.update_snapshot("r0", LoadSnapshot(num_running=6.0))
+    reg.acquire(state)
+    clock.advance(11.0)
+    assert _load(reg) == 1
