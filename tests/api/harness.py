@@ -12,10 +12,10 @@ import asyncio
 import contextlib
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import httpx
@@ -34,6 +34,7 @@ __all__ = [
     "AuthProxy",
     "Gateway",
     "fleet_dict",
+    "play_until",
     "run_gateway",
     "session_for",
 ]
@@ -89,6 +90,24 @@ def fleet_dict(
         data["features"]["hard"] = {"class": "interactive", "context_cap": 3000, "pin_external": True}
     data.update(extra)
     return data
+
+
+T = TypeVar("T")
+
+
+def play_until(scene: Callable[[], T], conclusive: Callable[[T], bool], times: int = 3) -> list[T]:
+    """Play a scene that races a real stream until one play is ``conclusive``, at most ``times``;
+    every play's outcome, the last one last.
+
+    A process of this small shared machine is now and then not scheduled for seconds, long
+    enough for a stream of a few seconds to end before the test's action reaches the gateway. A
+    scene whose action never works is inconclusive every time, so the caller's assertion on the
+    last play still fails.
+    """
+    plays = [scene()]
+    while len(plays) < times and not conclusive(plays[-1]):
+        plays.append(scene())
+    return plays
 
 
 def session_for(target: str, names: list[str]) -> str:

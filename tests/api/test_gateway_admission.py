@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.api.harness import ADMIN_KEY, DEV_KEY, AuthProxy, Gateway, fleet_dict, run_gateway
+from tests.api.harness import ADMIN_KEY, DEV_KEY, AuthProxy, Gateway, fleet_dict, play_until, run_gateway
 
 pytestmark = pytest.mark.vllm
 
@@ -147,13 +147,9 @@ def test_overflow_goes_to_the_external_provider_but_never_for_a_regulated_featur
                     stop.set()
                     holder.join(60)
 
-            # When the only slot is busy with a long stream (a process of this small shared
-            # machine is now and then not scheduled for seconds, long enough for a 6 s stream to
-            # end before the scene does, so it is played until the slot was held throughout,
-            # at most three times),
-            plays: list[_Play] = []
-            while len(plays) < 3 and not (plays and plays[-1].held):
-                plays.append(while_the_slot_is_busy())
+            # When the only slot is busy with a long stream (played until the stream held the
+            # slot throughout),
+            plays = play_until(while_the_slot_is_busy, lambda p: p.held)
             # Then a regulated feature's request never reached the provider, in any play,
             assert all(p.regulated_at_provider == 0 for p in plays), plays
             # and while the slot was held, an ordinary request overflowed to the provider and was

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.api.harness import DEV_KEY, Gateway, fleet_dict, run_gateway, session_for
+from tests.api.harness import DEV_KEY, Gateway, fleet_dict, play_until, run_gateway, session_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -68,13 +68,9 @@ def test_failures_before_and_after_the_first_token(gateway: Gateway, doomed) -> 
 
     # Given a stream on replica-0 that has delivered tokens,
     # When the health prober marks replica-0 unhealthy,
-    # Then the stream ends at once with a retryable error event and [DONE]. (A process of this
-    # small shared machine is now and then not scheduled for seconds, long enough for the whole
-    # stream to end before the mark reaches the gateway, so the scene is played until a stream
-    # is cut, at most three times: without the cut every play runs to the end.)
-    plays: list[list[str]] = []
-    while len(plays) < 3 and not (plays and cut(plays[-1])):
-        plays.append(stream_marked_unhealthy())
+    # Then the stream ends at once with a retryable error event and [DONE] (played until a
+    # stream is cut: without the cut every play runs to the end).
+    plays = play_until(stream_marked_unhealthy, cut)
     events = plays[-1]
     assert cut(events) and len(events) < 2900, [len(p) for p in plays]
     assert events[-1] == "data: [DONE]"
