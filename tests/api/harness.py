@@ -13,6 +13,7 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -137,6 +138,18 @@ class Gateway:
             s.value
             for s in parse_samples(text)
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    def sse(
+        self, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 60
+    ) -> AbstractContextManager[httpx.Response]:
+        """A raw streaming chat request (no SDK in between), with the developer key."""
+        return httpx.stream(
+            "POST",
+            self.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {DEV_KEY}", **(headers or {})},
+            timeout=timeout,
         )
 
     def samples(self, name: str) -> list[tuple[dict[str, str], float]]:

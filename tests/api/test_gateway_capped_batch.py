@@ -31,15 +31,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TOKENS = 48
 SLO = 0.025
 EMPTY = Histogram((), 0.0, 0.0)
+COLOURS = ("blue", "red", "grey", "green", "gold")
 
 
 def _document(i: int) -> str:
     """Request i's own document, about 500 tokens."""
     rnd = random.Random(i)
     return " ".join(f"fact {rnd.randrange(10**6)}: the sky is {rnd.choice(COLOURS)}." for _ in range(40))
-
-
-COLOURS = ("blue", "red", "grey", "green", "gold")
 
 
 async def _one(client: openai.AsyncOpenAI, i: int) -> None:
@@ -55,31 +53,28 @@ async def _one(client: openai.AsyncOpenAI, i: int) -> None:
         pass
 
 
+def _histogram(url: str, name: str) -> Histogram:
+    """The histogram ``name`` from ``url``'s ``/metrics``, summed over its label sets."""
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for s in parse_samples(httpx.get(url + "/metrics", timeout=10).text):
+        if s.name == name + "_bucket":
+            le = float("inf") if s.labels["le"] == "+Inf" else float(s.labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + s.value
+        elif s.name == name + "_sum":
+            total += s.value
+        elif s.name == name + "_count":
+            count += s.value
+    return Histogram(tuple(sorted(buckets.items())), total, count)
+
+
 def _histograms(gw: Gateway, replica_url: str) -> tuple[Histogram, Histogram]:
     """Per-request TPOT as the gateway measures it and as the engine does
     (``vllm:request_time_per_output_token_seconds``)."""
-    buckets: dict[float, float] = {}
-    total = count = 0.0
-    for s in parse_samples(httpx.get(gw.url + "/metrics", timeout=10).text):
-        if s.name == "tidal_gateway_tpot_seconds_bucket":
-            le = float("inf") if s.labels["le"] == "+Inf" else float(s.labels["le"])
-            buckets[le] = buckets.get(le, 0.0) + s.value
-        elif s.name == "tidal_gateway_tpot_seconds_sum":
-            total += s.value
-        elif s.name == "tidal_gateway_tpot_seconds_count":
-            count += s.value
-    engine_buckets: dict[float, float] = {}
-    engine_sum = engine_count = 0.0
-    for s in parse_samples(httpx.get(replica_url + "/metrics", timeout=10).text):
-        if s.name == "vllm:request_time_per_output_token_seconds_bucket":
-            le = float("inf") if s.labels["le"] == "+Inf" else float(s.labels["le"])
-            engine_buckets[le] = engine_buckets.get(le, 0.0) + s.value
-        elif s.name == "vllm:request_time_per_output_token_seconds_sum":
-            engine_sum += s.value
-        elif s.name == "vllm:request_time_per_output_token_seconds_count":
-            engine_count += s.value
-    engine = Histogram(tuple(sorted(engine_buckets.items())), engine_sum, engine_count)
-    return Histogram(tuple(sorted(buckets.items())), total, count), engine
+    return (
+        _histogram(gw.url, "tidal_gateway_tpot_seconds"),
+        _histogram(replica_url, "vllm:request_time_per_output_token_seconds"),
+    )
 
 
 async def _sustain(

@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
 
@@ -40,10 +39,7 @@ def _stream(gw: Gateway, session: str, max_tokens: int) -> Iterator[str]:
         "stream": True,
         "ignore_eos": True,
     }
-    headers = {"Authorization": f"Bearer {DEV_KEY}", "X-Session-Id": session}
-    with httpx.stream(
-        "POST", gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=120
-    ) as resp:
+    with gw.sse(body, headers={"X-Session-Id": session}, timeout=120) as resp:
         assert resp.status_code == 200
         yield from (line for line in resp.iter_lines() if line.startswith("data: "))
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -37,17 +35,6 @@ def client(gateway: Gateway) -> openai.OpenAI:
 
 def _decisions(gw: Gateway) -> dict[str, float]:
     return {labels["replica"]: value for labels, value in gw.samples("tidal_router_decisions_total")}
-
-
-def _sse(gw: Gateway, body: dict[str, Any]) -> AbstractContextManager[httpx.Response]:
-    """A raw streaming chat request through the gateway (no SDK in between)."""
-    return httpx.stream(
-        "POST",
-        gw.url + "/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {DEV_KEY}"},
-        timeout=60,
-    )
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -91,7 +78,7 @@ def test_streaming_chat_completions_and_models_through_the_sdk(client: openai.Op
 
 def test_raw_sse_passes_through_chunk_by_chunk(gateway: Gateway) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
-    with _sse(gateway, body) as resp:
+    with gateway.sse(body) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         events = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
@@ -186,7 +173,7 @@ def test_a_client_disconnect_aborts_the_request_upstream(gateway: Gateway, vllm_
     def stream_and_hang_up() -> float:
         """Tokens vLLM generated for a 2500-token stream whose client left after a few."""
         before = generated()
-        with _sse(gateway, body) as resp:
+        with gateway.sse(body) as resp:
             lines = resp.iter_lines()
             for _ in range(5):
                 next(lines)
