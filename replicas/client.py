@@ -11,7 +11,7 @@ Example::
 Failures raise the typed errors of :mod:`replicas.errors`, which say whether another replica may
 take the same request. :meth:`ReplicaClient.open` is the raw primitive: it gives the status and
 an iterator of the upstream bytes, untouched; :meth:`ReplicaClient.forward` is the same for the
-gateway's proxy on a leaner connection pool (:mod:`replicas.http1`).
+gateway's proxy on a leaner connection pool (:mod:`replicas.wire.http1`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from replicas.errors import (
     ReplicaUnavailable,
     error_from_status,
 )
-from replicas.http1 import ConnectionPool, LeanResponse
 from replicas.metrics import LoadSnapshot, parse_load_snapshot
+from replicas.wire.http1 import ConnectionPool, LeanResponse
+from replicas.wire.sse import iter_data as iter_sse_events
 
 __all__ = ["ReplicaClient", "UpstreamResponse", "iter_sse_events"]
 
@@ -67,25 +68,6 @@ class UpstreamResponse:
             return await self._resp.read()
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             raise ReplicaUnavailable(f"reading the reply failed: {exc!r}", replica=self.replica) from exc
-
-
-async def iter_sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Split a byte stream into SSE ``data:`` payloads (without the prefix); stops at ``[DONE]``."""
-    buf = b""
-    async for piece in chunks:
-        buf += piece
-        while True:
-            sep = buf.find(b"\n\n")
-            if sep == -1:
-                break
-            event, buf = buf[:sep], buf[sep + 2 :]
-            for line in event.split(b"\n"):
-                line = line.rstrip(b"\r")
-                if line.startswith(b"data:"):
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        return
-                    yield payload
 
 
 class ReplicaClient:
@@ -197,7 +179,7 @@ class ReplicaClient:
         self, path: str, body: bytes, headers: Mapping[str, str] | None = None
     ) -> AsyncIterator[LeanResponse]:
         """The gateway proxy's primitive: ``POST`` a JSON ``body`` on a lean keep-alive
-        connection (:mod:`replicas.http1`) and hold the response open, whatever its status.
+        connection (:mod:`replicas.wire.http1`) and hold the response open, whatever its status.
         Failures before the response headers raise :class:`~replicas.errors.ReplicaUnavailable`
         or :class:`~replicas.errors.ReplicaTimeout`."""
         if self._lean is None:

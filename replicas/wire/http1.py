@@ -9,9 +9,25 @@ is one pre-built write. What it does not do: redirects (a replica is never follo
 cookies, proxies, compression (it asks for none), HTTP upgrades.
 
 Limits: at most ``limit`` requests at once (others wait for a slot), response headers of at most
-64 KiB, and a body read no faster than it is consumed: above 256 KiB buffered the connection
-stops reading (TCP back-pressure reaches the replica). A response not read to its end, or
-aborted, closes its connection, which is how the replica learns that the client went away.
+64 KiB, a whole-body :meth:`LeanResponse.read` of at most ``max_body_bytes``, and a body read no
+faster than it is consumed: above 256 KiB buffered the connection stops reading (TCP
+back-pressure reaches the replica). A response not read to its end, or aborted, closes its
+connection, which is how the replica learns that the client went away.
+
+Protocol rules it keeps, so that an answer can never reach another request:
+
+* a fresh parser per request, and per-message state reset at each message's begin;
+* interim ``1xx`` responses (``100 Continue``, ``103 Early Hints``) are skipped; ``101`` (a switch
+  of protocols nobody asked for) fails the request and closes the connection;
+* a connection goes back to the pool only after its response ended cleanly with keep-alive;
+  bytes that arrive while it is idle (a stray or late response) or its end close it, and a
+  connection is checked for pending bytes or EOF again when it is taken from the pool;
+* a request on a reused connection that fails before any response byte (the replica closed the
+  idle connection as the request went out) is sent once more on a new connection;
+* the answer to ``HEAD`` has no body, whatever its ``Content-Length`` says (and the connection is
+  not reused: the parser cannot be told to skip a body);
+* request lines and headers are checked: names are tokens, values hold no CR, LF or NUL, both
+  are Latin-1 (:class:`HeaderError`, a ``ValueError``, before anything is sent).
 
 Example::
 
@@ -26,6 +42,8 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import re
+import select
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -36,14 +54,23 @@ import httptools
 
 from replicas.errors import ReplicaStreamError, ReplicaTimeout, ReplicaUnavailable
 
-__all__ = ["ConnectionPool", "LeanResponse"]
+__all__ = ["ConnectionPool", "HeaderError", "LeanResponse"]
 
 _MAX_HEADER_BYTES = 64 * 1024
 _HIGH_WATER = 256 * 1024
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+class HeaderError(ValueError):
+    """A request line or header that HTTP/1.1 cannot carry as it stands."""
+
+
+class _Stray(Exception):
+    """A second response on one request, or bytes on an idle connection."""
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection; parses one response at a time."""
+    """One keep-alive connection; parses the response of one request at a time."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -54,9 +81,10 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.timer: asyncio.TimerHandle | None = None
         self.wait_started = 0.0
-        self._reset()
-
-    def _reset(self) -> None:
+        self.in_use = False  # a request is out and its response not yet ended
+        self.head = False  # the request is a HEAD: its answer has no body
+        self.received = 0  # response bytes of the current request
+        self.interim = False  # parsing a 1xx response, which is skipped
         self.status = 0
         self.headers: dict[str, str] = {}
         self.header_bytes = 0
@@ -67,6 +95,12 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.refused: Exception | None = None  # why a callback stopped the parser
+
+    def _refuse(self, exc: Exception) -> Exception:
+        """``exc``, kept: httptools reports a callback's exception only as "callback error"."""
+        self.refused = exc
+        return exc
 
     # -- asyncio.Protocol --------------------------------------------------------------------------
 
@@ -74,10 +108,14 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        if not self.in_use:
+            self.close()  # bytes nobody asked for: never let them become an answer
+            return
+        self.received += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self.fail(exc)
+            self.fail(self.refused or exc)
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -94,19 +132,40 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks -----------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete or self.headers_done:
+            raise self._refuse(_Stray("a second response to one request"))
+        self.status = 0
+        self.headers = {}
+        self.header_bytes = 0
+        self.interim = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.header_bytes += len(name) + len(value)
         if self.header_bytes > _MAX_HEADER_BYTES:
-            raise ValueError("response headers over 64 KiB")  # feed_data turns it into an error
+            raise self._refuse(ValueError("response headers over 64 KiB"))
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        self.keep_alive = self.parser.should_keep_alive()  # reset once the message completes
+        status = self.parser.get_status_code()
+        if status == 101:
+            raise self._refuse(
+                ConnectionError("the replica switched protocols (HTTP 101), which is not supported")
+            )
+        if 100 <= status < 200:
+            self.interim = True  # 100 Continue, 103 Early Hints: the answer follows
+            return
+        self.status = status
+        self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
+        if self.head:
+            self.complete = True
+            self.keep_alive = False
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.complete:
+            raise self._refuse(_Stray("a body after the response ended"))
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
@@ -115,7 +174,13 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
+        if self.complete:
+            return  # the end of a HEAD answer's announced body, already ended
         self.complete = True
+        self.in_use = False
         self._wake()
 
     # -- the request's side ------------------------------------------------------------------------
@@ -136,10 +201,35 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, head: bool = False) -> None:
+        """Write one request; the response state starts afresh, with a new parser."""
         assert self.transport is not None
-        self._reset()
+        self.parser = httptools.HttpResponseParser(self)
+        self.in_use = True
+        self.head = head
+        self.received = 0
+        self.interim = False
+        self.status = 0
+        self.headers = {}
+        self.header_bytes = 0
+        self.headers_done = False
+        self.keep_alive = False
+        self.chunks = []
+        self.buffered = 0
+        self.complete = False
+        self.error = None
         self.transport.write(data)
+
+    def pending(self) -> bool:
+        """Whether the socket has bytes or an EOF waiting (an idle connection must have none)."""
+        if self.closed or self.transport is None:
+            return True
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
 
     def take(self) -> bytes:
         """Everything received and not yet taken (resumes reading if it was paused)."""
@@ -186,9 +276,12 @@ class _Connection(asyncio.Protocol):
 class LeanResponse:
     """A response being received: ``status``, ``headers`` (lower-case names) and the body."""
 
-    def __init__(self, conn: _Connection, replica: str, read_timeout: float | None) -> None:
+    def __init__(
+        self, conn: _Connection, replica: str, read_timeout: float | None, max_body_bytes: int
+    ) -> None:
         self._conn = conn
         self.replica = replica
+        self.max_body_bytes = max_body_bytes
         self.status = conn.status
         self.headers: Mapping[str, str] = conn.headers
         self._read_timeout = read_timeout
@@ -208,12 +301,21 @@ class LeanResponse:
                 await conn.wait(self._read_timeout)
 
     async def read(self) -> bytes:
-        """The whole body."""
+        """The whole body, at most ``max_body_bytes`` of it (more aborts the response and raises
+        :class:`~replicas.errors.ReplicaUnavailable`)."""
         conn = self._conn
         parts: list[bytes] = []
+        size = 0
         while True:
             if conn.chunks:
-                parts.append(conn.take())
+                part = conn.take()
+                size += len(part)
+                if size > self.max_body_bytes:
+                    self.abort()
+                    raise ReplicaUnavailable(
+                        f"the reply is over {self.max_body_bytes} bytes", replica=self.replica
+                    )
+                parts.append(part)
             elif conn.complete:
                 return b"".join(parts)
             elif conn.error is not None:
@@ -235,7 +337,8 @@ class ConnectionPool:
     **Parameters:** ``limit`` -- most requests at once; ``keepalive_s`` -- how long an idle
     connection is kept; ``connect_timeout``; ``read_timeout`` -- bounds the wait for the response
     headers and for each piece of the body, not the whole stream; ``headers`` -- sent with every
-    request (e.g. ``Authorization``).
+    request (e.g. ``Authorization``); ``max_body_bytes`` -- the most :meth:`LeanResponse.read`
+    takes.
     """
 
     def __init__(
@@ -248,6 +351,7 @@ class ConnectionPool:
         connect_timeout: float = 3.0,
         read_timeout: float | None = 600.0,
         headers: Mapping[str, str] | None = None,
+        max_body_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -261,19 +365,21 @@ class ConnectionPool:
         self.keepalive_s = keepalive_s
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.max_body_bytes = max_body_bytes
         host = parts.netloc.rpartition("@")[2]  # never send URL credentials in Host
         fixed = {"Host": host, **(headers or {})}
-        self._fixed = "".join(f"{_checked(k)}: {_checked(v)}\r\n" for k, v in fixed.items())
+        self._fixed = _header_lines(fixed)
         self._idle: list[_Connection] = []
         self._slots: asyncio.Semaphore | None = None
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self, fresh: bool = False) -> tuple[_Connection, bool]:
+        """A connection to send on (a new one if ``fresh``), and whether it was reused."""
         loop = asyncio.get_running_loop()
         now = loop.time()
-        while self._idle:
+        while self._idle and not fresh:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_s:
-                return conn
+            if now - conn.idle_since < self.keepalive_s and not conn.pending():
+                return conn, True
             conn.close()
         try:
             _, conn = await asyncio.wait_for(
@@ -292,7 +398,7 @@ class ConnectionPool:
             ) from exc
         except OSError as exc:
             raise ReplicaUnavailable(f"connecting failed: {exc!r}", replica=self.name) from exc
-        return conn
+        return conn, False
 
     @asynccontextmanager
     async def request(
@@ -300,27 +406,36 @@ class ConnectionPool:
     ) -> AsyncIterator[LeanResponse]:
         """Send one request and hold its response open while the caller reads it. Connection
         failures and timeouts before the response headers raise
-        :class:`~replicas.errors.ReplicaUnavailable` / :class:`~replicas.errors.ReplicaTimeout`."""
+        :class:`~replicas.errors.ReplicaUnavailable` / :class:`~replicas.errors.ReplicaTimeout`;
+        a request line or header HTTP cannot carry raises :class:`HeaderError` (nothing sent)."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.limit)
-        extra = "".join(f"{_checked(k)}: {_checked(v)}\r\n" for k, v in (headers or {}).items())
         head = (
-            f"{_checked(method)} {_checked(self.prefix + path)} HTTP/1.1\r\n{self._fixed}{extra}"
-            f"Content-Length: {len(body)}\r\n\r\n"
+            f"{_token(method)} {_target(self.prefix + path)} HTTP/1.1\r\n{self._fixed}"
+            f"{_header_lines(headers) if headers else ''}Content-Length: {len(body)}\r\n\r\n"
         )
+        data = _latin1(head) + body
+        is_head = method == "HEAD"
         await self._slots.acquire()
         conn: _Connection | None = None
         reusable = False
         try:
-            conn = await self._connect()
-            conn.send(head.encode("latin-1") + body)
+            conn, reused = await self._connect()
+            conn.send(data, is_head)
             while not conn.headers_done:
                 if conn.error is not None:
+                    if reused and conn.received == 0 and not isinstance(conn.error, TimeoutError):
+                        # The replica closed the idle connection as the request went out: no
+                        # byte of an answer came, so the request goes once more, on a new one.
+                        conn.close()
+                        conn, reused = await self._connect(fresh=True)
+                        conn.send(data, is_head)
+                        continue
                     if isinstance(conn.error, TimeoutError):
                         raise ReplicaTimeout(f"{method} {path} timed out", replica=self.name)
                     raise ReplicaUnavailable(f"{method} {path} failed: {conn.error!r}", replica=self.name)
                 await conn.wait(self.read_timeout)
-            resp = LeanResponse(conn, self.name, self.read_timeout)
+            resp = LeanResponse(conn, self.name, self.read_timeout, self.max_body_bytes)
             yield resp
             reusable = (
                 conn.complete
@@ -346,8 +461,31 @@ class ConnectionPool:
             conn.close()
 
 
-def _checked(text: str) -> str:
-    """A request line or header part, refused if it could split the request."""
-    if "\r" in text or "\n" in text:
-        raise ValueError(f"CR or LF in an HTTP request part: {text[:80]!r}")
-    return text
+def _latin1(text: str) -> bytes:
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError as exc:
+        raise HeaderError(f"a request line or header that is not Latin-1: {text[:80]!r}") from exc
+
+
+def _token(name: str) -> str:
+    if not _TOKEN.fullmatch(name):
+        raise HeaderError(f"not an HTTP token: {name[:80]!r}")
+    return name
+
+
+def _target(path: str) -> str:
+    if not path.startswith("/") or any(c in path for c in " \r\n\0\t"):
+        raise HeaderError(f"not a request target: {path[:80]!r}")
+    return path
+
+
+def _header_lines(headers: Mapping[str, str]) -> str:
+    """``Name: value`` lines, refused if a name is not a token or a value could split the
+    request (CR, LF) or is cut short by C parsers (NUL)."""
+    out = []
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\0" in value:
+            raise HeaderError(f"CR, LF or NUL in the value of header {name[:80]!r}")
+        out.append(f"{_token(name)}: {value}\r\n")
+    return "".join(out)

@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from replicas.errors import ReplicaStreamError, ReplicaTimeout, ReplicaUnavailable
-from replicas.http1 import ConnectionPool
 from replicas.launcher import free_port
+from replicas.wire.http1 import ConnectionPool
 
 pytestmark = pytest.mark.anyio
 
