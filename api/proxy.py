@@ -26,7 +26,7 @@ import itertools
 import json
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,11 +34,12 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from api.assemble import Assembler, assemblable, streamed_body
 from api.errors import error_body
 from api.metrics import GatewayMetrics
 from priority.admission import Admission, Decision, Outcome, Ticket, Verdict
 from priority.features import RequestPlan
-from replicas.client import ReplicaClient
+from replicas.client import ReplicaClient, UpstreamStream
 from replicas.errors import (
     ReplicaError,
     ReplicaServerError,
@@ -46,7 +47,8 @@ from replicas.errors import (
     ReplicaUnavailable,
     error_from_status,
 )
-from replicas.http1 import LeanResponse
+from replicas.wire.http1 import HeaderError
+from replicas.wire.sse import SSEDecoder, SSEError
 from router.adapters import AdapterManager
 from router.framework import Router
 from router.registry import ReplicaRegistry, ReplicaState
@@ -83,7 +85,7 @@ class UpstreamHandle:
     __slots__ = ("reason", "resp", "task")
 
     def __init__(self) -> None:
-        self.resp: LeanResponse | None = None
+        self.resp: UpstreamStream | None = None
         self.task: asyncio.Task[Any] | None = None  # set while waiting for response headers
         self.reason: str | None = None
 
@@ -126,55 +128,116 @@ class ProxyJob:
 
 _HOLD_LIMIT = 256 * 1024
 _OUTPUT_KEYS = ("content", "tool_calls", "reasoning_content", "reasoning")
+_ASSEMBLED = {"/v1/chat/completions": True, "/v1/completions": False}  # path -> chat
 
 
-class _FirstToken:
-    """Scans SSE bytes until the first event that carries output (or an error, or the end).
+def _is_output(choice: dict[str, Any]) -> bool:
+    """A generated token counts even when its text is empty (a token that decodes to nothing yet,
+    or a special one): only chat's opening role chunk is not output."""
+    if isinstance(choice.get("text"), str) or choice.get("finish_reason"):
+        return True
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and (
+        any(delta.get(k) for k in _OUTPUT_KEYS)
+        or ("role" not in delta and any(delta.get(k) is not None for k in _OUTPUT_KEYS))
+    )
 
-    A generated token counts even when its text is empty (a token that decodes to nothing yet, or
-    a special one): only chat's opening role chunk is not output. A stream still without output
-    after ``limit`` bytes is passed through as started, so the hold is bounded.
-    """
 
-    __slots__ = ("_buf", "_left")
+class _Watch:
+    """Reads the replica's SSE events as they pass (the bytes themselves go on untouched): the
+    first event that carries output, an error or the end; then when output arrives, how many
+    events each choice got, and the usage chunk's token count. With an ``assembler`` every
+    parsed chunk also goes to it (a non-streaming answer built from the stream).
 
-    def __init__(self, limit: int = _HOLD_LIMIT) -> None:
-        self._buf = b""
+    Before the first output the stream is held, at most ``limit`` bytes: past that it is passed
+    through as started, so the hold is bounded."""
+
+    __slots__ = (
+        "_clock",
+        "_decoder",
+        "_left",
+        "assembler",
+        "broken",
+        "completion_tokens",
+        "done",
+        "error",
+        "outputs",
+        "t_first",
+        "t_last",
+    )
+
+    def __init__(self, clock: Clock, assembler: Assembler | None = None, limit: int = _HOLD_LIMIT) -> None:
+        self._clock = clock
+        self._decoder = SSEDecoder()
         self._left = limit
+        self.assembler = assembler
+        self.outputs: dict[int, int] = {}
+        self.completion_tokens: int | None = None
+        self.error: dict[str, Any] | None = None
+        self.done = False
+        self.broken = False  # the bytes broke the SSE rules: passed on, no longer read
+        self.t_first: float | None = None
+        self.t_last = 0.0
 
     def feed(self, piece: bytes) -> str | None:
-        self._buf += piece
+        """The kind of the first event of note in ``piece``: ``"token"``, ``"error"``, ``"done"``
+        (or ``"token"`` once the hold limit is passed), else ``None``."""
         self._left -= len(piece)
-        while True:
-            sep = self._buf.find(b"\n\n")
-            if sep == -1:
-                return "token" if self._left < 0 else None
-            event, self._buf = self._buf[:sep], self._buf[sep + 2 :]
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    return "done"
-                try:
-                    obj = json.loads(payload)
-                except ValueError:
-                    continue
-                if not isinstance(obj, dict):
-                    continue
-                if "error" in obj and not obj.get("choices"):
-                    return "error"
-                for choice in obj.get("choices") or ():
-                    if not isinstance(choice, dict):
-                        continue
-                    delta = choice.get("delta")
-                    if isinstance(choice.get("text"), str) or choice.get("finish_reason"):
-                        return "token"
-                    if isinstance(delta, dict) and (
-                        any(delta.get(k) for k in _OUTPUT_KEYS)
-                        or ("role" not in delta and any(delta.get(k) is not None for k in _OUTPUT_KEYS))
-                    ):
-                        return "token"
+        if self.broken:
+            return "token"
+        try:
+            events = self._decoder.feed(piece)
+        except SSEError:
+            self.broken = True
+            return "token"
+        kind: str | None = None
+        output = False
+        for event in events:
+            if event.data == b"[DONE]":
+                self.done = True
+                kind = kind or "done"
+                continue
+            try:
+                obj = json.loads(event.data)
+            except ValueError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            if self.assembler is not None:
+                self.assembler.add(obj)
+            if "error" in obj and not obj.get("choices"):
+                self.error = obj
+                kind = kind or "error"
+                continue
+            usage = obj.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                self.completion_tokens = usage["completion_tokens"]
+            for choice in obj.get("choices") or ():
+                if isinstance(choice, dict) and _is_output(choice):
+                    index = choice.get("index", 0)
+                    self.outputs[index] = self.outputs.get(index, 0) + 1
+                    output = True
+                    kind = kind or "token"
+        if output:
+            self.t_last = self._clock.now()
+            if self.t_first is None:
+                self.t_first = self.t_last
+        return kind or ("token" if self._left < 0 else None)
+
+    def tokens_per_choice(self) -> int:
+        """Output tokens of one choice: the usage count shared by the choices when the replica
+        sent one, else the output events of the longest choice."""
+        if not self.outputs:
+            return 0
+        if self.completion_tokens is not None:
+            return self.completion_tokens // len(self.outputs)
+        return max(self.outputs.values())
+
+    def tpot(self) -> float | None:
+        tokens = self.tokens_per_choice()
+        if self.t_first is None or tokens < 4:
+            return None
+        return (self.t_last - self.t_first) / (tokens - 1)
 
 
 async def _send_json(
@@ -280,7 +343,7 @@ class Proxy:
             priority=plan.class_spec.priority,
             wait_budget_s=plan.class_spec.wait_budget_s,
             feature=plan.feature,
-            regulated=plan.feature_spec.regulated,
+            regulated=not plan.overflow_allowed,
         )
         if verdict.decision is Decision.QUEUE:
             verdict = await self._wait(job, ticket)
@@ -397,7 +460,12 @@ class Proxy:
         self, job: ProxyJob, target: _Target, send: Send, may_retry: bool
     ) -> ReplicaError | None:
         """One try on one upstream. Returns the error when it failed before anything was sent to
-        the client (the caller may retry), else ``None`` (a response, good or bad, was sent)."""
+        the client (the caller may retry), else ``None`` (a response, good or bad, was sent).
+
+        A replica gets every chat and text completion streamed: a non-streaming request is
+        answered with the JSON assembled from the stream (:mod:`api.assemble`), so that it is
+        measured, retried and counted like a streaming one. The external provider gets the
+        request as the client sent it."""
         handle = UpstreamHandle()
         job.handle = handle
         job.prefilled = False
@@ -406,6 +474,8 @@ class Proxy:
             state.handles.add(handle)
         tpot: float | None = None
         failed = False
+        chat = _ASSEMBLED.get(job.path)
+        assemble = state is not None and not job.stream and chat is not None and assemblable(job.body)
         try:
             if (
                 state is not None
@@ -415,7 +485,7 @@ class Proxy:
                 self.metrics.adapter_loads.labels(state.name).inc()
             if handle.reason is not None:
                 raise _Aborted(handle.reason, replica=target.name)
-            body = json.dumps(job.body).encode()
+            body = json.dumps(streamed_body(job.body) if assemble else job.body).encode()
             async with AsyncExitStack() as stack:
                 handle.task = asyncio.current_task()
                 try:
@@ -443,30 +513,37 @@ class Proxy:
                     await _send_json(send, resp.status, _upstream_error_body(resp.status, raw))
                     job.sent = True
                     return None
-                if not job.stream:
+                if not job.stream and not assemble:
                     raw = await resp.read()
                     ctype = resp.headers.get("content-type", "application/json").encode()
                     await send(
                         {
                             "type": "http.response.start",
-                            "status": 200,
+                            "status": resp.status,
                             "headers": [
                                 (b"content-type", ctype),
                                 (b"content-length", str(len(raw)).encode()),
+                                (b"x-request-id", job.request_id.encode()),
                             ],
                         }
                     )
                     await send({"type": "http.response.body", "body": raw})
                     job.sent = True
                     return None
-                tpot, failed = await self._stream(job, resp, send, may_retry, target)
+                watch = _Watch(self.clock, Assembler(chat=bool(chat)) if assemble else None)
+                tpot, failed = await self._stream(job, resp, watch, send, may_retry, target)
                 return None
+        except HeaderError as exc:
+            if not job.sent and not job.client_gone:
+                await _send_json(send, 400, error_body(400, str(exc), code="invalid_header"))
+                job.sent = True
+            return None
         except ReplicaError as exc:
+            if job.client_gone:
+                return None  # the client left: not the replica's failure
             failed = True
             if state is not None:
                 self.metrics.upstream_errors.labels(state.name).inc()
-            if job.client_gone:
-                return None
             if job.sent:  # _stream already ended the client's stream
                 return None
             return exc
@@ -488,59 +565,98 @@ class Proxy:
                 self.slot_freed(state.pool)
 
     async def _stream(
-        self, job: ProxyJob, resp: LeanResponse, send: Send, may_retry: bool, target: _Target
+        self,
+        job: ProxyJob,
+        resp: UpstreamStream,
+        watch: _Watch,
+        send: Send,
+        may_retry: bool,
+        target: _Target,
     ) -> tuple[float | None, bool]:
-        """Hold the stream until its first token, then pass it through. Raises before anything was
-        sent; returns ``(tpot, failed)`` once the client's stream has ended."""
-        scanner = _FirstToken()
+        """Hold the stream until its first token, then pass it through (or, assembling, read it
+        to its end). Raises before anything was sent; returns ``(tpot, failed)`` once the client
+        has its answer."""
         buffered: list[bytes] = []
         kind: str | None = None
         chunks = resp.iter_chunks()
         async for piece in chunks:
             buffered.append(piece)
-            kind = scanner.feed(piece)
+            kind = watch.feed(piece)
             if kind is not None:
                 break
         if kind == "error" and may_retry:
             raise ReplicaServerError("the replica sent an error before the first token", replica=target.name)
         if kind is None and not buffered:
             raise ReplicaStreamError("the replica closed the stream without output", replica=target.name)
-        t_first = self.clock.now()
+        t_first = watch.t_first if watch.t_first is not None else self.clock.now()
         if target.state is not None and not job.prefilled:
             job.prefilled = True  # its prompt no longer counts as prefill work queued there
             self.registry.first_token(target.state, job.plan.prompt_tokens)
+        self.metrics.first_token(job.plan.pool or "external", job.plan.class_name, t_first - job.arrived)
+        if watch.assembler is not None:
+            return await self._assembled(job, chunks, watch, send, kind, target)
         await send(
             {
                 "type": "http.response.start",
-                "status": 200,
+                "status": resp.status,
                 "headers": [*_SSE_HEADERS, (b"x-request-id", job.request_id.encode())],
             }
         )
         job.sent = True
         await send({"type": "http.response.body", "body": b"".join(buffered), "more_body": True})
-        pool = job.plan.pool or "external"
-        self.metrics.first_token(pool, job.plan.class_name, t_first - job.arrived)
         failed = kind == "error"
-        events = 0
-        t_last = t_first
         if kind == "token":
             raw = job.raw_send or send
+            feed = watch.feed
             try:
                 async for piece in chunks:
                     await raw({"type": "http.response.body", "body": piece, "more_body": True})
-                    events += piece.count(b"data:")
-                    t_last = self.clock.now()
+                    feed(piece)
             except ReplicaStreamError:
-                failed = True
                 if job.client_gone:
-                    return None, True
+                    return None, False
+                failed = True
                 await send({"type": "http.response.body", "body": _STREAM_FAILED, "more_body": True})
         if not job.client_gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        # Events after the first token, less the final [DONE] and finish/usage chunks, are tokens.
-        tokens = events - 2
-        tpot = (t_last - t_first) / tokens if tokens >= 4 and not failed else None
-        return tpot, failed
+        return (None if failed else watch.tpot()), failed
+
+    async def _assembled(
+        self,
+        job: ProxyJob,
+        chunks: AsyncIterator[bytes],
+        watch: _Watch,
+        send: Send,
+        kind: str | None,
+        target: _Target,
+    ) -> tuple[float | None, bool]:
+        """Read the rest of the stream, then answer with the assembled JSON (or the error)."""
+        assert watch.assembler is not None
+        try:
+            if kind == "token":
+                async for piece in chunks:
+                    watch.feed(piece)
+        except ReplicaStreamError as exc:
+            if job.client_gone:
+                return None, False
+            await _send_json(
+                send,
+                502,
+                error_body(502, f"The replica failed while answering: {exc.message}", code="upstream_failed"),
+            )
+            job.sent = True
+            return None, True
+        if watch.error is not None or watch.broken:
+            err = watch.error.get("error") if watch.error is not None else None
+            code = err.get("code") if isinstance(err, dict) else None
+            status = code if isinstance(code, int) and 400 <= code < 600 else 502
+            raw = json.dumps(watch.error).encode() if watch.error is not None else b"broken event stream"
+            await _send_json(send, status, _upstream_error_body(status, raw))
+            job.sent = True
+            return None, status >= 500
+        await _send_json(send, 200, watch.assembler.result(), ((b"x-request-id", job.request_id.encode()),))
+        job.sent = True
+        return watch.tpot(), False
 
 
 class ProxyResponse(Response):

@@ -20,7 +20,7 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import aiohttp
 
@@ -32,12 +32,31 @@ from replicas.errors import (
     error_from_status,
 )
 from replicas.metrics import LoadSnapshot, parse_load_snapshot
-from replicas.wire.http1 import ConnectionPool, LeanResponse
+from replicas.wire.http1 import ConnectionPool, check_header
 from replicas.wire.sse import iter_data as iter_sse_events
 
-__all__ = ["ReplicaClient", "UpstreamResponse", "iter_sse_events"]
+__all__ = ["ReplicaClient", "Transport", "UpstreamResponse", "UpstreamStream", "iter_sse_events"]
 
 _JSON = {"Content-Type": "application/json"}
+_MAX_BODY = 64 * 1024 * 1024
+
+Transport = Literal["lean", "aiohttp"]
+
+
+class UpstreamStream(Protocol):
+    """A response the proxy reads: :class:`~replicas.wire.http1.LeanResponse` or
+    :class:`UpstreamResponse`."""
+
+    status: int
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    def iter_chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def read(self) -> bytes: ...
+
+    def abort(self) -> None: ...
 
 
 class UpstreamResponse:
@@ -63,11 +82,21 @@ class UpstreamResponse:
         (vLLM then aborts the request)."""
         self._resp.close()
 
-    async def read(self) -> bytes:
+    async def read(self, max_bytes: int = _MAX_BODY) -> bytes:
+        """The whole body, at most ``max_bytes`` of it (more aborts the response and raises
+        :class:`~replicas.errors.ReplicaUnavailable`)."""
+        parts: list[bytes] = []
+        size = 0
         try:
-            return await self._resp.read()
+            async for data in self._resp.content.iter_any():
+                size += len(data)
+                if size > max_bytes:
+                    self.abort()
+                    raise ReplicaUnavailable(f"the reply is over {max_bytes} bytes", replica=self.replica)
+                parts.append(data)
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             raise ReplicaUnavailable(f"reading the reply failed: {exc!r}", replica=self.replica) from exc
+        return b"".join(parts)
 
 
 class ReplicaClient:
@@ -82,6 +111,9 @@ class ReplicaClient:
       piece of the body (and so the first token), not the whole stream.
     * ``keepalive_s`` -- how long an idle pooled connection is kept (below the server's own
       keep-alive timeout, 5 s for vLLM's uvicorn).
+    * ``transport`` -- what :meth:`forward` sends with: ``"lean"``, the gateway's own HTTP/1.1
+      pool (:mod:`replicas.wire.http1`), or ``"aiohttp"`` (the maintained client; the one for an
+      external provider on the internet). ``tidal bench gateway`` measures the two side by side.
     """
 
     def __init__(
@@ -94,8 +126,10 @@ class ReplicaClient:
         read_timeout: float | None = 600.0,
         name: str | None = None,
         keepalive_s: float = 4.0,
+        transport: Transport = "lean",
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.transport = transport
         self.name = name or self.base_url
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._pool_size = pool_size
@@ -177,11 +211,18 @@ class ReplicaClient:
     @asynccontextmanager
     async def forward(
         self, path: str, body: bytes, headers: Mapping[str, str] | None = None
-    ) -> AsyncIterator[LeanResponse]:
-        """The gateway proxy's primitive: ``POST`` a JSON ``body`` on a lean keep-alive
-        connection (:mod:`replicas.wire.http1`) and hold the response open, whatever its status.
-        Failures before the response headers raise :class:`~replicas.errors.ReplicaUnavailable`
-        or :class:`~replicas.errors.ReplicaTimeout`."""
+    ) -> AsyncIterator[UpstreamStream]:
+        """The gateway proxy's primitive: ``POST`` a JSON ``body`` on a keep-alive connection of
+        the client's ``transport`` and hold the response open, whatever its status. Failures
+        before the response headers raise :class:`~replicas.errors.ReplicaUnavailable` or
+        :class:`~replicas.errors.ReplicaTimeout`; headers HTTP cannot carry raise
+        :class:`~replicas.wire.http1.HeaderError`."""
+        if self.transport == "aiohttp":
+            for name, value in (headers or {}).items():
+                check_header(name, value)
+            async with self.open("POST", path, body=body, headers=headers, raise_for_status=False) as up:
+                yield up
+            return
         if self._lean is None:
             self._lean = ConnectionPool(
                 self.base_url,

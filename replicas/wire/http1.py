@@ -54,7 +54,7 @@ import httptools
 
 from replicas.errors import ReplicaStreamError, ReplicaTimeout, ReplicaUnavailable
 
-__all__ = ["ConnectionPool", "HeaderError", "LeanResponse"]
+__all__ = ["ConnectionPool", "HeaderError", "LeanResponse", "check_header"]
 
 _MAX_HEADER_BYTES = 64 * 1024
 _HIGH_WATER = 256 * 1024
@@ -480,12 +480,16 @@ def _target(path: str) -> str:
     return path
 
 
+def check_header(name: str, value: str) -> None:
+    """Refuse a header whose name is not a token, or whose value could split the request (CR,
+    LF), is cut short by C parsers (NUL) or is not Latin-1."""
+    _token(name)
+    if "\r" in value or "\n" in value or "\0" in value:
+        raise HeaderError(f"CR, LF or NUL in the value of header {name[:80]!r}")
+    _latin1(value)
+
+
 def _header_lines(headers: Mapping[str, str]) -> str:
-    """``Name: value`` lines, refused if a name is not a token or a value could split the
-    request (CR, LF) or is cut short by C parsers (NUL)."""
-    out = []
     for name, value in headers.items():
-        if "\r" in value or "\n" in value or "\0" in value:
-            raise HeaderError(f"CR, LF or NUL in the value of header {name[:80]!r}")
-        out.append(f"{_token(name)}: {value}\r\n")
-    return "".join(out)
+        check_header(name, value)
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items())

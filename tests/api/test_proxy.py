@@ -1,10 +1,12 @@
-"""The proxy's SSE scan (only until the first token) and its error reshaping, as tables."""
+"""The proxy's watch over the SSE it passes on (first token, errors, tokens per choice) and its error
+reshaping, as tables."""
 
 from __future__ import annotations
 
 import pytest
 
-from api.proxy import _FirstToken, _upstream_error_body
+from api.proxy import _upstream_error_body, _Watch
+from tidal.clock import ManualClock
 
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
 TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'
@@ -26,17 +28,20 @@ CASES = [
     ("end without output", [ROLE, DONE], [None, "done"]),
     ("split across pieces", [TOKEN[:20], TOKEN[20:]], [None, "token"]),
     ("keep-alive comments are skipped", [b": keep-alive\n\n", TOKEN], [None, "token"]),
+    ("CRLF framing", [ROLE.replace(b"\n", b"\r\n"), TOKEN.replace(b"\n", b"\r\n")], [None, "token"]),
+    ("CR framing", [ROLE.replace(b"\n", b"\r"), TOKEN.replace(b"\n", b"\r")], [None, "token"]),
+    ("CRLF split between pieces", [TOKEN.replace(b"\n", b"\r\n")[:-3], b"\n\r\n"], [None, "token"]),
 ]
 
 
 @pytest.mark.parametrize(("case", "pieces", "want"), CASES, ids=[c[0] for c in CASES])
 def test_first_token_scan(case: str, pieces: list[bytes], want: list[str | None]) -> None:
-    scan = _FirstToken()
+    scan = _Watch(ManualClock())
     assert [scan.feed(p) for p in pieces] == want
 
 
 def test_a_stream_without_output_is_held_only_so_long() -> None:
-    scan = _FirstToken(limit=3 * len(ROLE))
+    scan = _Watch(ManualClock(), limit=3 * len(ROLE))
     assert [scan.feed(p) for p in (ROLE, b": keep-alive\n\n", ROLE, ROLE, ROLE[:10])] == [
         None,
         None,
@@ -57,3 +62,32 @@ def test_upstream_errors_are_reshaped_openai_style() -> None:
     }
     plain = _upstream_error_body(503, b"Service Unavailable")["error"]
     assert plain["message"] == "Service Unavailable" and plain["type"] == "service_unavailable_error"
+
+
+def _chunk(index: int, text: str) -> bytes:
+    return b'data: {"choices":[{"index":%d,"delta":{"content":"%s"}}]}\n\n' % (index, text.encode())
+
+
+def test_tpot_counts_tokens_per_choice_not_data_lines() -> None:
+    """Two choices of 5 tokens each, 10 ms apart per token: TPOT is 10 ms, whatever the framing
+    (one event per line, or several events and comments in one piece)."""
+    clock = ManualClock()
+    watch = _Watch(clock)
+    watch.feed(ROLE)
+    for _ in range(5):
+        watch.feed(_chunk(0, "a") + b": data: not an event\n\n" + _chunk(1, "b"))
+        clock.advance(0.01)
+    watch.feed(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":10}}\n\n' + DONE)
+    assert watch.tokens_per_choice() == 5
+    assert watch.tpot() == pytest.approx(0.01)
+
+
+def test_without_a_usage_chunk_tokens_are_the_longest_choice_s_output_events() -> None:
+    clock = ManualClock()
+    watch = _Watch(clock)
+    for _ in range(6):
+        watch.feed(_chunk(0, "a"))
+        clock.advance(0.02)
+    watch.feed(_chunk(1, "b") + DONE)
+    assert watch.tokens_per_choice() == 6
+    assert watch.tpot() is not None
