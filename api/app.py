@@ -12,9 +12,11 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from types import MappingProxyType
+from typing import cast
 
 from fastapi import FastAPI
-from starlette.types import Receive, Scope, Send
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import KeyStore
 from api.batch_tier import install_batch_tier
@@ -31,27 +33,74 @@ from tidal.settings import Settings
 __all__ = ["GatewayApp", "create_app"]
 
 
-class GatewayApp(FastAPI):
-    """FastAPI, with the inference routes served ahead of it (:mod:`api.fastpath`: ``POST``
-    requests to those paths go to their :class:`~api.fastpath.InferenceEndpoint`, which hands
-    what it does not take to :meth:`full_stack`), plus the server's own ``send`` in the scope
-    (``tidal.send``): the streaming proxy writes body chunks with it, past the middleware
-    wrappers that only watch for the response start (which still goes through them)."""
+class _FastRoutes:
+    """The innermost of the gateway's middleware: ``POST`` requests to the inference paths go to
+    their :class:`~api.fastpath.InferenceEndpoint`, which hands what it does not take, like every
+    other request, to FastAPI's routing (``app``)."""
 
-    fast_routes: Mapping[str, InferenceEndpoint] = MappingProxyType({})  # set by create_app
+    def __init__(self, app: ASGIApp, gateway: GatewayApp) -> None:
+        self.app = app
+        state: GatewayState = gateway.state.tidal
+        limit = state.fleet.gateway.max_body_bytes
+        self.routes = {
+            path: InferenceEndpoint(path, model, state, app, limit) for path, model in FAST_ROUTES.items()
+        }
+        gateway.fast_routes = MappingProxyType(self.routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self.fast_routes.get(scope["path"])
+        if scope["type"] == "http" and scope["method"] == "POST" and scope.get("tidal.fast", True):
+            endpoint = self.routes.get(scope["path"])
             if endpoint is not None:
                 await endpoint(scope, receive, send)
                 return
-        await self.full_stack(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+# Middleware known never to wrap ``send``: with only these, the proxy writes body chunks with the
+# server's own ``send`` (``tidal.send``), past the wrappers that only watch for the response start.
+_SEND_TRANSPARENT: tuple[type, ...] = (BodyLimit,)
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, with the inference routes served by a raw ASGI endpoint (:mod:`api.fastpath`)
+    inside the same middleware stack: middleware added with ``add_middleware`` (access log,
+    CORS, tracing, request id) applies to every route, streams included.
+
+    When every middleware is one known not to wrap ``send``, the server's own ``send`` goes in
+    the scope (``tidal.send``) and the streaming proxy writes body chunks with it; any other
+    middleware sees every chunk."""
+
+    fast_routes: Mapping[str, InferenceEndpoint] = MappingProxyType({})  # set with the stack
+    raw_send = False
+
+    def build_middleware_stack(self) -> ASGIApp:
+        self.user_middleware.append(Middleware(_FastRoutes, gateway=self))
+        try:
+            stack = super().build_middleware_stack()
+        finally:
+            self.user_middleware.pop()
+        self.raw_send = all(cast(object, m.cls) in _SEND_TRANSPARENT for m in self.user_middleware)
+        return stack
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.middleware_stack is None:
+            self.middleware_stack = self.build_middleware_stack()
+        if self.raw_send and scope["type"] == "http":
+            scope["tidal.send"] = send
+        await super().__call__(scope, receive, send)
 
     async def full_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The FastAPI application with its middleware (every route, every error handler)."""
-        scope["tidal.send"] = send
-        await super().__call__(scope, receive, send)
+        """The application with the inference routes served by FastAPI's own routes (what the
+        documented routes answer; the raw path must answer the same)."""
+        scope["tidal.fast"] = False
+        await self(scope, receive, send)
+
+    def endpoints(self) -> Mapping[str, InferenceEndpoint]:
+        """The inference endpoints (building the middleware stack, after which no middleware can
+        be added)."""
+        if self.middleware_stack is None:
+            self.middleware_stack = self.build_middleware_stack()
+        return self.fast_routes
 
 
 def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None = None) -> FastAPI:
@@ -89,8 +138,4 @@ def create_app(fleet: FleetConfig, settings: Settings, *, keys: KeyStore | None 
     app.add_exception_handler(BodyTooLarge, body_too_large)
     for router in ROUTERS:
         app.include_router(router)
-    app.fast_routes = {
-        path: InferenceEndpoint(path, model, state, app.full_stack, fleet.gateway.max_body_bytes)
-        for path, model in FAST_ROUTES.items()
-    }
     return app

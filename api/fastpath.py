@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import bearer_principal
 from api.errors import APIError, error_body
+from api.limits import BodyTooLarge
 from api.proxy import ProxyResponse
 from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from api.state import GatewayState
@@ -93,11 +94,15 @@ class InferenceEndpoint:
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            try:
+                message = await receive()
+            except BodyTooLarge:
+                message = {"type": "http.request", "body": b"", "more_body": False}
+                size = limit + 1
             if message["type"] != "http.request":
                 return  # the client went away before its body arrived
             piece: bytes = message.get("body", b"")
-            size += len(piece)
+            size += len(piece)  # (the body-limit middleware counts too, and raises first)
             if size > limit:
                 error = APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
                 await error.response()(scope, receive, send)
@@ -137,7 +142,7 @@ class InferenceEndpoint:
                 started = True
             await send(message)
 
-        response.job.raw_send = send  # the proxy streams body chunks with the server's send
+        response.job.raw_send = scope.get("tidal.send")  # the server's, when no middleware watches
         try:
             await response.watched(receive, tracked)
         except asyncio.CancelledError:

@@ -513,6 +513,8 @@ class Proxy:
                     await _send_json(send, resp.status, _upstream_error_body(resp.status, raw))
                     job.sent = True
                     return None
+                if assemble and not resp.headers.get("content-type", "").startswith("text/event-stream"):
+                    assemble = False  # a replica that answered in one piece: passed on as it is
                 if not job.stream and not assemble:
                     raw = await resp.read()
                     ctype = resp.headers.get("content-type", "application/json").encode()

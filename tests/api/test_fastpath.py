@@ -57,8 +57,9 @@ class _Spy:
 
     def __init__(self, app: GatewayApp) -> None:
         self.calls = 0
-        self.inner = app.full_stack
-        for endpoint in app.fast_routes.values():
+        endpoints = app.endpoints()
+        self.inner = next(iter(endpoints.values())).fallback
+        for endpoint in endpoints.values():
             endpoint.fallback = self
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
