@@ -36,6 +36,7 @@ from pydantic import (
 )
 
 __all__ = [
+    "BATCH_ONLY_KINDS",
     "AdapterSpec",
     "AutoscalerSpec",
     "CanaryEvalSpec",
@@ -67,7 +68,13 @@ __all__ = [
 
 HttpUrl = Annotated[AnyHttpUrl, UrlConstraints(allowed_schemes=["http", "https"])]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")]
+# A feature a tenant may use, or "*" for every feature.
+FeatureRef = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=r"^(\*|[A-Za-z0-9][A-Za-z0-9._:/-]*)$")
+]
 PoolKind = Literal["interactive", "batch", "spot", "long_context"]
+# Pools that only the batch tier uses: interactive requests are never placed on them.
+BATCH_ONLY_KINDS: frozenset[str] = frozenset({"batch", "spot"})
 
 
 class FleetConfigError(ValueError):
@@ -93,11 +100,20 @@ class ModelSpec(_Strict):
 
 
 class AdapterSpec(_Strict):
-    """A LoRA adapter that replicas may load at run time (``/v1/load_lora_adapter``)."""
+    """A LoRA adapter that replicas may load at run time (``/v1/load_lora_adapter``).
+
+    ``tenants`` binds it to those tenants: to any other the adapter does not exist (absent: every
+    tenant may use it).
+    """
 
     name: Name
     path: str = Field(min_length=1)
     base_model: Name
+    tenants: list[Name] | None = Field(default=None, min_length=1)
+
+    def serves(self, tenant: str) -> bool:
+        """Whether ``tenant`` may use (and see) this adapter."""
+        return self.tenants is None or tenant in self.tenants
 
 
 class LaunchSpec(_Strict):
@@ -235,12 +251,14 @@ class PoolSpec(_Strict):
     """A group of replicas serving one model for one kind of work.
 
     ``shared: true`` on an interactive pool lets the batch tier borrow it through the ``shared``
-    lane while the scheduler's gate is open.
+    lane while the scheduler's gate is open. ``region`` (e.g. ``eu-west``) is where its replicas
+    run, for features that must stay in some regions.
     """
 
     name: str = ""  # filled from the mapping key
     kind: PoolKind
     model: Name
+    region: Name | None = None
     shared: bool = False
     replicas: list[ReplicaSpec] = Field(default_factory=list, max_length=4096)
     max_inflight_per_replica: int = Field(default=64, ge=1, le=100_000)
@@ -290,7 +308,12 @@ class ClassSpec(_Strict):
 
 
 class FeatureSpec(_Strict):
-    """A product feature calling the gateway (chat, rag, agent, ...) and its policy."""
+    """A product feature calling the gateway (chat, rag, agent, ...) and its policy.
+
+    ``regions`` keeps its requests and batch lines on pools (and an external provider) in those
+    regions: never placed, retried or overflowed elsewhere (absent: anywhere). ``regulated``
+    never overflows at all.
+    """
 
     class_: Name = Field(default="interactive", alias="class")
     pool: Name | None = None
@@ -298,6 +321,12 @@ class FeatureSpec(_Strict):
     long_context_threshold: int | None = Field(default=None, gt=0)
     regulated: bool = False
     pin_external: bool = False
+    regions: list[Name] | None = Field(default=None, min_length=1)
+
+    def allows_region(self, region: str | None) -> bool:
+        """Whether work of this feature may run in ``region`` (``None``: a place of unknown region,
+        which only a feature without ``regions`` accepts)."""
+        return self.regions is None or (region is not None and region in self.regions)
 
     @model_validator(mode="after")
     def _check(self) -> FeatureSpec:
@@ -309,20 +338,23 @@ class FeatureSpec(_Strict):
 
 
 class ExternalProviderSpec(_Strict):
-    """An OpenAI-compatible provider that takes overflow (never for regulated features)."""
+    """An OpenAI-compatible provider that takes overflow (never for regulated features, nor for
+    features whose ``regions`` do not include its ``region``)."""
 
     url: HttpUrl
     api_key_env: str | None = None
     model: str | None = None
     timeout_s: float = Field(default=60.0, gt=0)
+    region: Name | None = None
 
 
 class TenantSpec(_Strict):
-    """A tenant, its API keys (stored as ``sha256:<hex>`` hashes) and the features it may use."""
+    """A tenant, its API keys (stored as ``sha256:<hex>`` hashes) and the features it may use
+    (``["*"]`` or none listed: every feature)."""
 
     name: Name
     key_hashes: list[str] = Field(default_factory=list)
-    features: list[Name] = Field(default_factory=list)
+    features: list[FeatureRef] = Field(default_factory=list)
     admin: bool = False
 
     @field_validator("key_hashes")
@@ -415,9 +447,15 @@ class FleetConfig(_Strict):
         _dupes(problems, "models", [m.name for m in self.models])
         _dupes(problems, "adapters", [a.name for a in self.adapters])
         _dupes(problems, "tenants", [t.name for t in self.tenants])
+        tenant_names = {t.name for t in self.tenants}
         for a in self.adapters:
             if a.base_model not in model_names:
                 problems.append(f"adapters.{a.name}.base_model: unknown model '{a.base_model}'")
+            for t in a.tenants or ():
+                if t not in tenant_names:
+                    problems.append(
+                        f"adapters.{a.name}.tenants: unknown tenant '{t}' (known: {_known(tenant_names)})"
+                    )
         replica_names: list[str] = []
         for name, pool in self.pools.items():
             pool.name = name
@@ -436,8 +474,27 @@ class FleetConfig(_Strict):
                 problems.append(
                     f"features.{fname}.pool: unknown pool '{feat.pool}' (known: {_known(self.pools)})"
                 )
+            elif feat.pool is not None:
+                pool = self.pools[feat.pool]
+                if pool.kind in BATCH_ONLY_KINDS:
+                    problems.append(
+                        f"features.{fname}.pool: '{feat.pool}' is a {pool.kind} pool "
+                        "(interactive requests are never placed on batch or spot pools)"
+                    )
+                if not feat.allows_region(pool.region):
+                    problems.append(
+                        f"features.{fname}.pool: '{feat.pool}' is in region {_region(pool.region)}, "
+                        f"outside the feature's regions ({', '.join(feat.regions or ())})"
+                    )
             if feat.pin_external and self.external_provider is None:
                 problems.append(f"features.{fname}.pin_external: no external_provider is configured")
+            elif feat.pin_external and self.external_provider is not None:
+                region = self.external_provider.region
+                if not feat.allows_region(region):
+                    problems.append(
+                        f"features.{fname}.pin_external: the external provider is in region "
+                        f"{_region(region)}, outside the feature's regions ({', '.join(feat.regions or ())})"
+                    )
         for i, tenant in enumerate(self.tenants):
             for f in tenant.features:
                 if f != "*" and f not in self.features:
@@ -462,12 +519,25 @@ class FleetConfig(_Strict):
     def adapter(self, name: str) -> AdapterSpec | None:
         return next((a for a in self.adapters if a.name == name), None)
 
+    def adapter_for(self, name: str, tenant: str) -> AdapterSpec | None:
+        """The adapter ``name`` as ``tenant`` sees it: ``None`` when unknown or bound to others."""
+        adapter = self.adapter(name)
+        return adapter if adapter is not None and adapter.serves(tenant) else None
+
+    def served_models(self, tenant: str) -> set[str]:
+        """The names ``tenant`` may ask for: every base model and the adapters it may use."""
+        return {m.name for m in self.models} | {a.name for a in self.adapters if a.serves(tenant)}
+
     def all_replicas(self) -> list[tuple[PoolSpec, ReplicaSpec]]:
         return [(p, r) for p in self.pools.values() for r in p.replicas]
 
 
 def _known(names: Any) -> str:
     return ", ".join(sorted(names)) or "none"
+
+
+def _region(region: str | None) -> str:
+    return f"'{region}'" if region is not None else "(none)"
 
 
 def _dupes(problems: list[str], what: str, names: list[str]) -> None:

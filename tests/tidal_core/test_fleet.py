@@ -175,3 +175,100 @@ def test_a_pool_with_a_second_replica_group_has_a_canary_group() -> None:
     data["pools"]["interactive"]["canary"] = {"group": "other", "steps": [0.1], "step_s": 30}
     pool = parse_fleet(data).pools["interactive"]
     assert pool.canary_group == "other" and pool.canary is not None and pool.canary.steps == [0.1]
+
+
+# -- isolation: adapters bound to tenants, pool kinds, regions -----------------------------------
+
+
+def regional(**overrides: Any) -> dict[str, Any]:
+    """Interactive pools in eu-west and us-east, a batch and a spot pool, two tenants."""
+    data = minimal(
+        pools={
+            "eu": {"kind": "interactive", "model": "m", "region": "eu-west"},
+            "us": {"kind": "interactive", "model": "m", "region": "us-east"},
+            "bulk": {"kind": "batch", "model": "m", "region": "eu-west"},
+            "cheap": {"kind": "spot", "model": "m", "region": "eu-west"},
+        },
+        tenants=[{"name": "acme"}, {"name": "globex"}],
+        external_provider={"url": "https://provider.example/v1", "region": "us-east"},
+    )
+    data.update(overrides)
+    return data
+
+
+ISOLATION_REJECTED = [
+    (
+        "an adapter bound to an unknown tenant",
+        {"adapters": [{"name": "a", "path": "/a", "base_model": "m", "tenants": ["initech"]}]},
+        "adapters.a.tenants: unknown tenant 'initech' (known: acme, globex)",
+    ),
+    (
+        "an adapter bound to no tenant at all",
+        {"adapters": [{"name": "a", "path": "/a", "base_model": "m", "tenants": []}]},
+        "adapters[0].tenants: List should have at least 1 item",
+    ),
+    (
+        "an interactive feature on a batch pool",
+        {"features": {"chat": {"class": "interactive", "pool": "bulk"}}},
+        "features.chat.pool: 'bulk' is a batch pool (interactive requests are never placed on batch or spot",
+    ),
+    (
+        "an interactive feature on a spot pool",
+        {"features": {"chat": {"class": "interactive", "pool": "cheap"}}},
+        "features.chat.pool: 'cheap' is a spot pool",
+    ),
+    (
+        "a feature whose pool is outside its regions",
+        {"features": {"gdpr": {"pool": "us", "regions": ["eu-west"]}}},
+        "features.gdpr.pool: 'us' is in region 'us-east', outside the feature's regions (eu-west)",
+    ),
+    (
+        "a feature pinned to a provider outside its regions",
+        {"features": {"gdpr": {"pin_external": True, "regions": ["eu-west"]}}},
+        "features.gdpr.pin_external: the external provider is in region 'us-east', outside",
+    ),
+    (
+        "an empty list of regions",
+        {"features": {"gdpr": {"regions": []}}},
+        "features.gdpr.regions: List should have at least 1 item",
+    ),
+    (
+        "a region that is not a name",
+        {"external_provider": {"url": "https://provider.example/v1", "region": "eu west"}},
+        "external_provider.region: String should match pattern",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "overrides", "expected"), ISOLATION_REJECTED, ids=[c[0] for c in ISOLATION_REJECTED]
+)
+def test_isolation_keys_are_checked_naming_the_key(
+    case: str, overrides: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(FleetConfigError) as exc:
+        parse_fleet(regional(**overrides), "test.yaml")
+    assert expected in str(exc.value), str(exc.value)
+
+
+def test_isolation_keys_load() -> None:
+    fleet = parse_fleet(
+        regional(
+            adapters=[
+                {"name": "acme-lora", "path": "/a", "base_model": "m", "tenants": ["acme"]},
+                {"name": "shared-lora", "path": "/s", "base_model": "m"},
+            ],
+            features={
+                "gdpr": {"pool": "eu", "regions": ["eu-west"]},
+                "global": {"pin_external": True, "regions": ["eu-west", "us-east"]},
+            },
+            tenants=[{"name": "acme", "features": ["*"]}, {"name": "globex", "features": ["gdpr"]}],
+        )
+    )
+    assert fleet.tenants[0].features == ["*"]
+    assert fleet.pools["eu"].region == "eu-west" and fleet.external_provider is not None
+    assert fleet.served_models("acme") == {"m", "acme-lora", "shared-lora"}
+    assert fleet.served_models("globex") == {"m", "shared-lora"}
+    assert fleet.adapter_for("acme-lora", "globex") is None
+    assert fleet.features["gdpr"].allows_region("eu-west")
+    assert not fleet.features["gdpr"].allows_region(None)

@@ -37,8 +37,10 @@ def check(path: Path) -> None:
         sys.exit(1)
     for pool in cfg.pools.values():
         shared = " shared" if pool.shared else ""
+        region = f", region {pool.region}" if pool.region else ""
         click.echo(
-            f"pool {pool.name} ({pool.kind}{shared}, model {pool.model}): {len(pool.replicas)} replicas"
+            f"pool {pool.name} ({pool.kind}{shared}, model {pool.model}{region}): "
+            f"{len(pool.replicas)} replicas"
         )
         for r in pool.replicas:
             click.echo(f"  {r.name} {r.base_url} group={r.group} weight={r.weight:g}")
