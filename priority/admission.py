@@ -12,8 +12,10 @@ routing benchmark (virtual time) run the very same object:
   ``MIN_DRAIN_SAMPLES`` completions: a burst after a calm spell, when one or two recent
   completions would predict a wait many times too long, queues and is bounded by its deadline;
 * a request that cannot queue or that expired **overflows** to the external provider when one is
-  configured and the feature is not ``regulated``, else is **rejected** with ``Retry-After``
-  computed from the drain rate (requests ahead / completions per second).
+  configured and the request may leave (``regulated=False``; the gateway passes ``not
+  plan.overflow_allowed``: a regulated feature, or one whose ``regions`` leave out the provider's,
+  never does), else is **rejected** with ``Retry-After`` computed from the drain rate (requests
+  ahead / completions per second).
 
 Every outcome is counted per class and feature (``admitted``, ``queued``, ``rejected_429``,
 ``overflowed``, ``context_cap_400``, ``errors``).
