@@ -11,7 +11,8 @@ the key it concerns::
       router.profiles[0]: needs exactly one picker, has 0
 
 Producers are not referenced in profiles: a profile runs the producers its scorers consume, the
-one configured in ``plugins`` for that type if any, else one with default parameters.
+one configured in ``plugins`` for that type if any, else one with default parameters. Data
+residency is not left to the config: a profile that lists no ``region-filter`` runs one first.
 
 Example::
 
@@ -25,6 +26,7 @@ from typing import Any
 
 from router.framework import Filter, Picker, Plugin, Producer, Profile, Router, RouterObserver, Scorer
 from router.plugins.base import PluginConfigError
+from router.plugins.filters.region import RegionFilter
 from router.plugins.register import REGISTRY
 from router.profiles import BUILTIN_ROUTER, DEFAULT_PROFILE
 from tidal.clock import Clock
@@ -110,6 +112,8 @@ def _profiles(
                 )
         if pickers != 1:
             problems.append(f"{at}: needs exactly one picker, has {pickers}")
+        if not any(f.TYPE == RegionFilter.TYPE for f in prof.filters):
+            prof.filters.insert(0, RegionFilter())
         for scorer, _ in prof.scorers:
             for ptype in scorer.CONSUMES:
                 producer = configured_producers.get(ptype) or shared_producers.get(ptype)

@@ -24,8 +24,8 @@ a prompt cached nowhere goes where the least work waits. The prefix ring only br
 (a new conversation on an idle pool goes to its ring replica, so gateways that share no state
 agree on it).
 
-Every profile starts with the same filters: healthy, serves the model, adapter loadable, canary
-split, below its in-flight cap.
+Every profile starts with the same filters: inside the request's regions, healthy, serves the
+model, adapter loadable, canary split, below its in-flight cap.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ __all__ = ["BUILTIN_PROFILES", "BUILTIN_ROUTER", "DEFAULT_PROFILE"]
 DEFAULT_PROFILE = "tidal"
 
 _FILTERS = [
+    {"ref": "region-filter"},
     {"ref": "healthy-filter"},
     {"ref": "model-filter"},
     {"ref": "adapter-filter"},
@@ -48,6 +49,7 @@ BUILTIN_ROUTER: dict[str, Any] = {
     "plugins": [
         {"type": t}
         for t in (
+            "region-filter",
             "healthy-filter",
             "model-filter",
             "adapter-filter",

@@ -51,6 +51,7 @@ class ReplicaState:
     group: str = "stable"
     weight: float = 1.0
     max_loras: int = 0
+    region: str | None = None  # its pool's
     healthy: bool = True
     draining: bool = False
     inflight: int = 0
@@ -91,6 +92,7 @@ class ReplicaState:
             max_loras=self.max_loras,
             prefill_tokens=self.prefill_tokens,
             finished_since_snapshot=self.finished_since_snapshot,
+            region=self.region,
         )
 
 
@@ -131,6 +133,7 @@ class ReplicaRegistry:
                         group=r.group,
                         weight=r.weight,
                         max_loras=r.max_loras,
+                        region=pool.region,
                     )
                 )
         return reg

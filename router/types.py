@@ -46,6 +46,7 @@ class ReplicaView:
     max_loras: int = 0
     prefill_tokens: int = 0
     finished_since_snapshot: int = 0
+    region: str | None = None  # its pool's region
 
     @property
     def load(self) -> float:
@@ -81,6 +82,7 @@ class RouteRequest:
     * ``block_tokens`` -- about how many tokens one of ``prefix_blocks`` covers (16 for 64
       characters of chat text; 512 for a Mooncake trace block).
     * ``session_key`` -- ``X-Session-Id`` or the request's ``user``, if any.
+    * ``regions`` -- the regions whose replicas may serve it (its feature's); ``None``: any.
     """
 
     model: str
@@ -91,6 +93,7 @@ class RouteRequest:
     session_key: str | None = None
     prompt_tokens: int = 0
     request_id: str = ""
+    regions: frozenset[str] | None = None
 
 
 class StateKey(Generic[T]):

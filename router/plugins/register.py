@@ -14,6 +14,7 @@ from router.plugins.filters.canary import CanaryFilter
 from router.plugins.filters.capacity import CapacityFilter
 from router.plugins.filters.healthy import HealthyFilter
 from router.plugins.filters.model import ModelFilter
+from router.plugins.filters.region import RegionFilter
 from router.plugins.pickers.max_score import MaxScorePicker
 from router.plugins.pickers.power_of_two import PowerOfTwoPicker
 from router.plugins.pickers.random_pick import RandomPicker
@@ -51,6 +52,7 @@ register(ModelFilter.TYPE, ModelFilter.from_config)
 register(AdapterFilter.TYPE, AdapterFilter.from_config)
 register(CanaryFilter.TYPE, CanaryFilter.from_config)
 register(CapacityFilter.TYPE, CapacityFilter.from_config)
+register(RegionFilter.TYPE, RegionFilter.from_config)
 # producers
 register(PrefixRing.TYPE, PrefixRing.from_config)
 register(SessionRing.TYPE, SessionRing.from_config)

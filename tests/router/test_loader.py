@@ -186,3 +186,38 @@ def test_fleet_check_reports_router_problems(tmp_path) -> None:  # type: ignore[
     result = CliRunner().invoke(cli, ["fleet", "check", str(bad)])
     assert result.exit_code == 1
     assert "router.plugins[0].type: unknown type 'magic-scorer'" in result.output
+
+
+REGIONAL = [
+    ReplicaView("eu-0", model="m", region="eu-west"),
+    ReplicaView("us-0", model="m", region="us-east"),
+    ReplicaView("us-1", model="m", region="us-east"),
+    ReplicaView("none-0", model="m"),
+]
+
+
+@pytest.mark.parametrize("profile", [*BUILTIN_PROFILES, "mine"])
+def test_every_profile_keeps_a_request_inside_its_regions_retries_too(profile: str) -> None:
+    # Given a built-in profile, or a config profile that lists no region-filter
+    router = build_router(RouterSpec.model_validate(GOOD), seed=0)
+    eu = RouteRequest("m", prefix_key=1, prefix_blocks=(1, 2), regions=frozenset({"eu-west"}))
+    # When a request kept to eu-west is routed, and retried after its first replica failed
+    first = router.route(eu, REGIONAL, profile=profile)
+    retry = router.route(eu, REGIONAL, profile=profile, exclude={"eu-0"})
+    # Then only the eu-west replica serves it, and the retry finds none rather than leave
+    assert first is not None and first.replica.name == "eu-0"
+    assert retry is None
+    anywhere = router.route(RouteRequest("m"), REGIONAL, profile=profile, exclude={"eu-0"})
+    assert anywhere is not None and anywhere.replica.name != "eu-0"
+
+
+def test_a_profile_listing_a_region_filter_runs_it_once() -> None:
+    spec = {
+        "plugins": [
+            {"type": "region-filter", "name": "residency"},
+            {"type": "round-robin-picker", "name": "rr"},
+        ],
+        "profiles": [{"name": "rr", "plugins": [{"ref": "rr"}, {"ref": "residency"}]}],
+    }
+    prof = build_router(spec, seed=0).profiles["rr"]
+    assert [f.name for f in prof.filters] == ["residency"]

@@ -14,6 +14,7 @@ from router.plugins.filters.canary import CanaryFilter
 from router.plugins.filters.capacity import CapacityFilter
 from router.plugins.filters.healthy import HealthyFilter
 from router.plugins.filters.model import ModelFilter
+from router.plugins.filters.region import RegionFilter
 from router.plugins.pickers.max_score import MaxScorePicker
 from router.plugins.pickers.power_of_two import PowerOfTwoPicker
 from router.plugins.pickers.round_robin import RoundRobinPicker
@@ -48,6 +49,7 @@ def state(req: RouteRequest | None = None, seed: int = 0, now: float = 0.0) -> C
 
 REQ = RouteRequest("m")
 LORA = RouteRequest("m", adapter="support-v2")
+EU = RouteRequest("m", regions=frozenset({"eu-west", "eu-central"}))
 
 # -- filters -------------------------------------------------------------------------------------
 
@@ -95,6 +97,27 @@ FILTER_CASES = [
         REQ,
         [v("a", inflight=4, cap=4), v("b", inflight=5, cap=4)],
         ["a", "b"],
+    ),
+    (
+        "region passes requests without regions",
+        RegionFilter(),
+        REQ,
+        [v("a", region="eu-west"), v("b", region="us-east"), v("c")],
+        ["a", "b", "c"],
+    ),
+    (
+        "region keeps replicas inside the request's regions, never one of no region",
+        RegionFilter(),
+        EU,
+        [v("a", region="eu-west"), v("b", region="us-east"), v("c"), v("d", region="eu-central")],
+        ["a", "d"],
+    ),
+    (
+        "region keeps nothing when no replica is inside",
+        RegionFilter(),
+        EU,
+        [v("b", region="us-east"), v("c")],
+        [],
     ),
 ]
 

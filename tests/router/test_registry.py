@@ -63,3 +63,29 @@ def test_a_stale_scrape_is_ignored() -> None:
     reg.acquire(state)
     clock.advance(11.0)
     assert _load(reg) == 1
+
+
+def test_replicas_are_in_their_pools_region() -> None:
+    from tidal.fleet import parse_fleet
+
+    fleet = parse_fleet(
+        {
+            "models": [{"name": "m"}],
+            "pools": {
+                "eu": {
+                    "kind": "interactive",
+                    "model": "m",
+                    "region": "eu-west",
+                    "replicas": [{"name": "e0", "url": "http://e0"}],
+                },
+                "any": {
+                    "kind": "interactive",
+                    "model": "m",
+                    "replicas": [{"name": "a0", "url": "http://a0"}],
+                },
+            },
+        }
+    )
+    reg = ReplicaRegistry.from_fleet(fleet, ManualClock())
+    assert [v.region for v in reg.views("eu")] == ["eu-west"]
+    assert [v.region for v in reg.views("any")] == [None]
