@@ -146,10 +146,11 @@ class InteractiveService:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def _model(self, name: str) -> tuple[str, str | None]:
+    def _model(self, name: str, tenant: str) -> tuple[str, str | None]:
         if any(m.name == name for m in self.fleet.models):
             return name, None
-        adapter = self.fleet.adapter(name)
+        # An adapter bound to other tenants does not exist for this one: the same 404, no load.
+        adapter = self.fleet.adapter_for(name, tenant)
         if adapter is not None:
             return adapter.base_model, adapter.name
         raise APIError(
@@ -168,7 +169,7 @@ class InteractiveService:
     ) -> ProxyResponse:
         """Check, plan and key one request; every refusal raises an OpenAI-shaped :class:`APIError`."""
         arrived = self.clock.now()
-        base, adapter = self._model(request.model)
+        base, adapter = self._model(request.model, principal.tenant)
         body = request.model_dump(exclude_unset=True, exclude_none=True)
         body["model"] = request.model
         prefix_key: int | None
@@ -225,6 +226,7 @@ class InteractiveService:
             prefix_blocks=blocks,
             session_key=session[:256] if session else None,
             prompt_tokens=plan.prompt_tokens,
+            regions=plan.regions,
         )
         job = ProxyJob(path, body, stream, plan, route, adapter, arrived)
         return ProxyResponse(job, self.proxy.run)
@@ -286,6 +288,7 @@ class InteractiveService:
             group=group,
             weight=weight,
             max_loras=max_loras,
+            region=spec.region,  # a replica is where its pool is
         )
         state.client = self._client_for(state)
         self.registry.add(state)

@@ -46,7 +46,7 @@ def gateway(sims: list[ReplicaProcess], tmp_path_factory: pytest.TempPathFactory
                 "replicas": [{"name": "c0", "url": sims[0].url}],
             },
             "embeddings": {
-                "kind": "batch",
+                "kind": "interactive",
                 "model": "embed-model",
                 "replicas": [{"name": "e0", "url": sims[1].url}],
             },
