@@ -111,8 +111,9 @@ class BatchCreate(BaseModel):
     """Properties received on ``POST /v1/batches`` (OpenAI ``BatchCreateParams``).
 
     Tidal's extensions go in ``metadata``: ``priority`` ("0".."9", 9 most urgent), ``lane``
-    (``reserved``/``spot``/``any``), ``deadline`` (Unix seconds, an earlier expiry); admins may
-    also pin ``pool`` and ``replica_group`` (e.g. to evaluate a canary).
+    (``reserved``/``spot``/``any``), ``deadline`` (Unix seconds, an earlier expiry), ``feature``
+    (whose ``regions`` its lines stay in); admins may also pin ``pool`` and ``replica_group``
+    (e.g. to evaluate a canary).
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -162,6 +163,9 @@ class BatchRecord(BatchBase, table=True):
     queue_lane: str = Field(default="shared", max_length=16)
     pool: str | None = Field(default=None, max_length=128)
     replica_group: str | None = Field(default=None, max_length=128)
+    # The batch's feature, and its regions as JSON (null: its lines may run anywhere).
+    feature: str | None = Field(default=None, max_length=128)
+    regions_json: str | None = _text()
     job_id: str | None = Field(default=None, max_length=64, index=True)
     created_at: int
     in_progress_at: int | None = None
@@ -184,6 +188,11 @@ class BatchRecord(BatchBase, table=True):
     final_claim: str | None = Field(default=None, max_length=64)
     final_claimed_at: float | None = None
     final_status: str | None = Field(default=None, max_length=16)
+
+    @property
+    def allowed_regions(self) -> frozenset[str] | None:
+        """The regions whose replicas may run its lines; ``None``: any."""
+        return frozenset(json.loads(self.regions_json)) if self.regions_json else None
 
 
 class BatchPublic(BaseModel):

@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Set
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +38,11 @@ from batch_jobs.models import (
 )
 from batch_jobs.store import Store, line_counts
 from batch_jobs.validation import SUPPORTED_ENDPOINTS, iter_valid_lines, validate_batch_file
-from priority.classes import BATCH_PRIORITY_MAX
-from priority.queues import LANE_PREFERENCES, lane_for_preference
+from priority.classes import BATCH_PRIORITY_MAX, lane_pools
+from priority.features import PlanError, resolve_batch_feature
+from priority.queues import LANE_PREFERENCES, LANES, lane_for_preference
 from tidal.clock import Clock, WallClock
-from tidal.fleet import FleetConfig
+from tidal.fleet import FleetConfig, PoolSpec
 from tidal.settings import Settings
 
 __all__ = ["BATCH_PURPOSE", "DATASET_PURPOSES", "UPLOAD_PURPOSES", "BatchService"]
@@ -85,9 +86,19 @@ class BatchService:
         files = FileStore(settings.resolved_files_dir, max_bytes=settings.max_file_bytes)
         return cls(store=store, files=files, fleet=fleet, settings=settings, publisher=publisher)
 
-    @property
-    def served_models(self) -> set[str]:
-        return {m.name for m in self.fleet.models} | {a.name for a in self.fleet.adapters}
+    def served_models(self, tenant: str) -> set[str]:
+        """The models and adapters ``tenant``'s lines may name (adapters bound to others are not)."""
+        return self.fleet.served_models(tenant)
+
+    def resolve_feature(
+        self, named: str | None, features: Set[str], default_feature: str | None, *, param: str
+    ) -> str | None:
+        """A batch's (or job's) feature, as :func:`~priority.features.resolve_batch_feature` says."""
+        try:
+            return resolve_batch_feature(self.fleet, named, features, default_feature, param=param)
+        except PlanError as exc:
+            error = Forbidden if exc.status == 403 else InvalidRequest
+            raise error(exc.message, param=exc.param, code=exc.code) from None
 
     def _now(self) -> int:
         return int(self.clock.now())
@@ -209,10 +220,21 @@ class BatchService:
     # -- batches ----------------------------------------------------------------------------------
 
     def create_batch(
-        self, tenant: str, params: BatchCreate, *, admin: bool = False, job_id: str | None = None
+        self,
+        tenant: str,
+        params: BatchCreate,
+        *,
+        admin: bool = False,
+        job_id: str | None = None,
+        features: Set[str] = frozenset({"*"}),
+        default_feature: str | None = None,
     ) -> BatchRecord:
         """Validate, plan and publish a batch. Request-level problems raise (nothing is created);
-        problems inside the file give a ``failed`` batch whose ``errors`` name every bad line."""
+        problems inside the file give a ``failed`` batch whose ``errors`` name every bad line.
+
+        ``features`` are those the caller's key may use and ``default_feature`` its only one: they
+        decide the batch's feature (``metadata.feature``), whose ``regions`` its lines stay in.
+        """
         if params.endpoint not in SUPPORTED_ENDPOINTS:
             raise InvalidRequest(
                 f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}; got {params.endpoint[:64]!r}",
@@ -225,6 +247,11 @@ class BatchService:
                 f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}", param="completion_window"
             )
         ext = self._extensions(params.metadata, admin=admin)
+        feature = self.resolve_feature(
+            (params.metadata or {}).get("feature"), features, default_feature, param="metadata.feature"
+        )
+        spec = self.fleet.features[feature] if feature is not None else None
+        regions = frozenset(spec.regions) if spec is not None and spec.regions is not None else None
         f = self.get_file(tenant, params.input_file_id, param="input_file_id")
         if f.purpose != BATCH_PURPOSE:
             raise InvalidRequest(
@@ -258,14 +285,17 @@ class BatchService:
             queue_lane=lane_for_preference(ext["lane"]).value,
             pool=ext["pool"],
             replica_group=ext["replica_group"],
+            feature=feature,
+            regions_json=json.dumps(sorted(regions)) if regions is not None else None,
             job_id=job_id,
             created_at=now,
             expires_at=expires_at,
             metadata_json=json.dumps(params.metadata) if params.metadata else None,
         )
         path = self.files.path(f.path)
+        served = self.served_models(tenant)
         report = validate_batch_file(
-            path, endpoint=params.endpoint, models=self.served_models, max_lines=self.settings.max_batch_lines
+            path, endpoint=params.endpoint, models=served, max_lines=self.settings.max_batch_lines
         )
         if report.error_count:
             batch.status = "failed"
@@ -274,6 +304,9 @@ class BatchService:
             with self.store.session() as s:
                 s.add(batch)
             return batch
+        if regions is not None:
+            assert feature is not None
+            batch.queue_lane = self._resident_lane(batch, feature, regions, report.models)
         batch.model = next(iter(report.models)) if len(report.models) == 1 else None
         with self.store.session() as s:
             s.add(batch)
@@ -292,7 +325,7 @@ class BatchService:
         conn = s.connection()
         page: list[dict[str, Any]] = []
         n = 0
-        for line in iter_valid_lines(path, endpoint=batch.endpoint, models=self.served_models):
+        for line in iter_valid_lines(path, endpoint=batch.endpoint, models=self.served_models(batch.tenant)):
             page.append(
                 {
                     "batch_id": batch.id,
@@ -337,6 +370,53 @@ class BatchService:
         if chunks:
             conn.execute(insert(BatchChunk), chunks)
         return n
+
+    def _resident_lane(
+        self, batch: BatchRecord, feature: str, regions: frozenset[str], models: set[str]
+    ) -> str:
+        """The queue lane of a batch whose lines must stay in ``regions``: 400 when no pool there
+        can serve every model it names on its lane. A batch of lane ``any`` goes to the first lane
+        that can when some lane of the fleet cannot (its workers would only hand the chunks back)."""
+
+        def inside(pools: list[PoolSpec]) -> list[PoolSpec]:
+            return [p for p in pools if p.region is not None and p.region in regions]
+
+        bases = set()
+        for m in models:
+            adapter = self.fleet.adapter(m)
+            bases.add(adapter.base_model if adapter else m)
+        where = f"in the regions of the feature '{feature}' ({', '.join(sorted(regions))})"
+        if batch.pool is not None:
+            pool = self.fleet.pools[batch.pool]
+            if not inside([pool]):
+                raise InvalidRequest(
+                    f"metadata.pool: the pool '{pool.name}' is not {where}.",
+                    param="metadata.pool",
+                    code="region_not_allowed",
+                )
+            return batch.queue_lane
+        present = [lane for lane in LANES if lane_pools(self.fleet, lane)]
+        if batch.lane == "any":
+            candidates = list(LANES)
+        else:
+            lane = lane_for_preference(batch.lane)
+            # Without pools of that lane only a worker of lane ``all`` runs it, on another lane's.
+            candidates = [lane] if lane in present else list(LANES)
+        able = [
+            lane
+            for lane in candidates
+            if all(any(p.model == b for p in inside(lane_pools(self.fleet, lane))) for b in bases)
+        ]
+        if not able:
+            raise InvalidRequest(
+                f"No pool {where} can serve the model {', '.join(repr(b) for b in sorted(bases))} "
+                f"for a batch of lane '{batch.lane}'.",
+                param="metadata.feature",
+                code="no_pool_in_region",
+            )
+        if batch.lane != "any" or all(lane in able for lane in present):
+            return batch.queue_lane
+        return able[0].value
 
     def _extensions(self, metadata: dict[str, str] | None, *, admin: bool) -> dict[str, Any]:
         md = metadata or {}

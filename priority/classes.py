@@ -23,10 +23,13 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from tidal.fleet import FleetConfig, PoolSpec
+
 __all__ = [
     "BATCH_PRIORITY_MAX",
     "BATCH_VLLM_BASE",
     "Lane",
+    "lane_pools",
     "rabbitmq_priority",
     "vllm_priority",
 ]
@@ -46,6 +49,18 @@ class Lane(StrEnum):
     RESERVED = "reserved"
     SPOT = "spot"
     SHARED = "shared"
+
+
+def lane_pools(fleet: FleetConfig, lane: str) -> list[PoolSpec]:
+    """The pools whose replicas a lane's workers send to: ``reserved`` the ``batch`` pools,
+    ``spot`` the ``spot`` pools, ``shared`` the interactive pools with ``shared: true``."""
+    if lane == Lane.RESERVED:
+        return fleet.pools_of_kind("batch")
+    if lane == Lane.SPOT:
+        return fleet.pools_of_kind("spot")
+    if lane == Lane.SHARED:
+        return [p for p in fleet.pools_of_kind("interactive") if p.shared]
+    raise ValueError(f"unknown lane {lane!r}")
 
 
 def _check(p: int) -> int:

@@ -15,7 +15,8 @@ all        the chunk's own lane (``tidal up``:  every queue
 =========  ===================================  =============================================
 
 A batch pinned to a ``pool`` or ``replica_group`` (admins, e.g. a canary eval) goes to those
-replicas whatever the lane.
+replicas whatever the lane. A batch whose feature lists ``regions`` goes only to pools in those
+regions (:func:`chunk_pools`); with none at hand its chunk waits in the queue.
 
 A pool's replicas are those of the fleet file plus those registered with the gateway at run time
 (``POST /admin/replicas``: the autoscaler's local actuator, a canary roll-out), which the gateway
@@ -52,7 +53,7 @@ from batch_jobs.models import BatchRecord
 from batch_jobs.results import LineResult, record_results
 from batch_jobs.service import BatchService
 from batch_jobs.store import Store, lane_states, register_worker, runtime_replicas, unregister_worker
-from priority.classes import Lane
+from priority.classes import Lane, lane_pools
 from priority.queues import LANES, Topology, is_amqp, parse_lane_control, pika_parameters
 from replicas.client import ReplicaClient
 from tidal.clock import WallClock
@@ -71,7 +72,14 @@ from workers.middleware import (
     TimeLimit,
 )
 
-__all__ = ["WORKER_LANES", "WorkerRuntime", "lane_of_hostname", "lane_pools", "worker_hostname"]
+__all__ = [
+    "WORKER_LANES",
+    "WorkerRuntime",
+    "chunk_pools",
+    "lane_of_hostname",
+    "lane_pools",
+    "worker_hostname",
+]
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +107,35 @@ def lane_of_hostname(hostname: str) -> str:
     return hostname.split("@", 1)[0]
 
 
-def lane_pools(fleet: FleetConfig, lane: str) -> list[PoolSpec]:
-    """The pools whose replicas a lane's workers send to."""
-    if lane == Lane.RESERVED:
-        return fleet.pools_of_kind("batch")
-    if lane == Lane.SPOT:
-        return fleet.pools_of_kind("spot")
-    if lane == Lane.SHARED:
-        return [p for p in fleet.pools_of_kind("interactive") if p.shared]
-    raise ValueError(f"unknown lane {lane!r}")
+def chunk_pools(
+    fleet: FleetConfig,
+    *,
+    lane: str,
+    worker_lane: str,
+    pool: str | None = None,
+    model: str | None = None,
+    regions: frozenset[str] | None = None,
+) -> list[PoolSpec]:
+    """The pools a chunk of ``lane`` is sent to by a worker of ``worker_lane``: the batch's pinned
+    ``pool``, else the lane's pools (an ``all`` worker borrows another lane's when its fleet has
+    none), those serving ``model`` first; never a pool outside ``regions`` (its feature's)."""
+
+    def inside(candidates: list[PoolSpec]) -> list[PoolSpec]:
+        return [p for p in candidates if regions is None or (p.region is not None and p.region in regions)]
+
+    if pool is not None:
+        pools = inside([fleet.pools[pool]] if pool in fleet.pools else [])
+    else:
+        pools = inside(lane_pools(fleet, lane))
+        if not pools and worker_lane == "all":
+            # A laptop fleet without that lane's pools: borrow the first lane that has some.
+            pools = next((p for p in (inside(lane_pools(fleet, x)) for x in LANES) if p), [])
+    if model is not None:
+        # Prefer the pools that serve the batch's model (or the base of its adapter).
+        adapter = fleet.adapter(model)
+        base = adapter.base_model if adapter else model
+        pools = [p for p in pools if p.model == base] or pools
+    return pools
 
 
 def governed_queues(worker_lane: str, paused_lane: str) -> list[str]:
@@ -496,18 +524,14 @@ class WorkerRuntime:
         raise Reject("delivery limit exceeded", requeue=False)
 
     def _plan(self, batch: BatchRecord, lane: str) -> _Plan:
-        if batch.pool is not None:
-            pools = [self.fleet.pools[batch.pool]] if batch.pool in self.fleet.pools else []
-        else:
-            pools = lane_pools(self.fleet, lane)
-            if not pools and self.lane == "all":
-                # A laptop fleet without that lane's pools: borrow the first lane that has some.
-                pools = next((p for p in (lane_pools(self.fleet, x) for x in LANES) if p), [])
-        if batch.model is not None:
-            # Prefer the pools that serve the batch's model (or the base of its adapter).
-            adapter = self.fleet.adapter(batch.model)
-            base = adapter.base_model if adapter else batch.model
-            pools = [p for p in pools if p.model == base] or pools
+        pools = chunk_pools(
+            self.fleet,
+            lane=lane,
+            worker_lane=self.lane,
+            pool=batch.pool,
+            model=batch.model,
+            regions=batch.allowed_regions,
+        )
         runtime = self._runtime_replicas()
         replicas = [(p, r) for p in pools for r in p.replicas]
         listed = {r.name for _, r in replicas}

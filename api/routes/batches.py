@@ -1,7 +1,8 @@
 """OpenAI Batches: create, retrieve, list, cancel.
 
 Tidal's extensions ride in ``metadata`` (OpenAI allows 16 string pairs): ``priority`` "0".."9"
-(9 most urgent), ``lane`` ``reserved``/``spot``/``any``, ``deadline`` (Unix seconds).
+(9 most urgent), ``lane`` ``reserved``/``spot``/``any``, ``deadline`` (Unix seconds), ``feature``
+(a feature the key may use; its ``regions`` bound where the lines run).
 
 Example (the official SDK, unchanged)::
 
@@ -29,7 +30,14 @@ router = APIRouter(tags=["batches"])
 @router.post("/v1/batches", summary="Create a batch from an uploaded JSONL file")
 async def create_batch(body: BatchCreate, principal: PrincipalDep, svc: BatchDep) -> BatchPublic:
     with batch_errors():
-        batch = await run_in_threadpool(svc.create_batch, principal.tenant, body, admin=principal.admin)
+        batch = await run_in_threadpool(
+            svc.create_batch,
+            principal.tenant,
+            body,
+            admin=principal.admin,
+            features=principal.features,
+            default_feature=principal.default_feature,
+        )
     return await run_in_threadpool(svc.public_batch, batch)
 
 

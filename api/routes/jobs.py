@@ -25,7 +25,14 @@ router = APIRouter(tags=["jobs"])
 @router.post("/v1/jobs", summary="Start a job (eval, embedding_backfill, summaries) on a dataset file")
 async def create_job(body: JobCreate, principal: PrincipalDep, jobs: JobsDep) -> JobPublic:
     with batch_errors():
-        job = await run_in_threadpool(jobs.create_job, principal.tenant, body, admin=principal.admin)
+        job = await run_in_threadpool(
+            jobs.create_job,
+            principal.tenant,
+            body,
+            admin=principal.admin,
+            features=principal.features,
+            default_feature=principal.default_feature,
+        )
         return await run_in_threadpool(jobs.public_job, job)
 
 

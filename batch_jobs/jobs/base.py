@@ -46,6 +46,8 @@ class JobOptions(BaseModel):
     # Run against one pool or replica group (e.g. a canary build) -- admins only.
     pool: str | None = Field(default=None, max_length=128)
     replica_group: str | None = Field(default=None, max_length=128)
+    # The feature its batches run under (its regions bound where); resolved as a batch's.
+    feature: str | None = Field(default=None, max_length=128)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Set
 from typing import Any
 
 from sqlalchemy import text
@@ -61,11 +62,27 @@ class JobService:
         feature = fleet.features.get("batch")
         return min(base.max_model_len, feature.context_cap if feature else base.max_model_len)
 
-    def create_job(self, tenant: str, params: JobCreate, *, admin: bool = False) -> JobRecord:
-        """Validate the dataset and options, then start the first stage's batch."""
+    def create_job(
+        self,
+        tenant: str,
+        params: JobCreate,
+        *,
+        admin: bool = False,
+        features: Set[str] = frozenset({"*"}),
+        default_feature: str | None = None,
+    ) -> JobRecord:
+        """Validate the dataset and options, then start the first stage's batch.
+
+        The job's feature (``options.feature``, resolved as a batch's from the key's ``features``
+        and ``default_feature``) is kept in its options: every stage's batch runs under it.
+        """
         kind = KINDS[params.kind]
         options = kind.parse_options(params.options)
-        served = self.batch.served_models
+        feature = self.batch.resolve_feature(
+            options.feature, features, default_feature, param="options.feature"
+        )
+        options = options.model_copy(update={"feature": feature})
+        served = self.batch.served_models(tenant)
         if params.model not in served:
             raise InvalidRequest(
                 f"model {params.model!r} is not served here", param="model", code="model_not_found"
@@ -128,6 +145,8 @@ class JobService:
             job.tenant, filename=f"{job.id}_stage{stage_no}.jsonl", purpose="batch", lines=lines
         )
         metadata = {"priority": str(options.priority), "lane": options.lane, "job": job.id}
+        if options.feature:
+            metadata["feature"] = options.feature
         if options.pool:
             metadata["pool"] = options.pool
         if options.replica_group:
@@ -135,8 +154,11 @@ class JobService:
         params = BatchCreate(
             input_file_id=f.id, endpoint=stage.endpoint, completion_window="24h", metadata=metadata
         )
-        # Pool pinning was checked against the caller in create_job.
-        return self.batch.create_batch(job.tenant, params, admin=True, job_id=job.id)
+        # Pool pinning and the feature were checked against the caller in create_job.
+        only = frozenset({options.feature}) if options.feature else frozenset()
+        return self.batch.create_batch(
+            job.tenant, params, admin=True, job_id=job.id, features=only, default_feature=options.feature
+        )
 
     # -- advancing ------------------------------------------------------------------------------
 
