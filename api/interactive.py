@@ -102,6 +102,7 @@ class InteractiveService:
                 api_key=key,
                 read_timeout=provider.timeout_s,
                 name="external",
+                transport="aiohttp",
             )
         self.proxy = Proxy(
             registry=self.registry,
@@ -123,7 +124,7 @@ class InteractiveService:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def _client_for(self, state: ReplicaState) -> ReplicaClient:
-        return ReplicaClient(state.url, name=state.name)
+        return ReplicaClient(state.url, name=state.name, transport=self.fleet.gateway.upstream_client)
 
     async def startup(self) -> None:
         for state in self.registry:

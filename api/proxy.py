@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import json
 import logging
+import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -48,7 +49,7 @@ from replicas.errors import (
     error_from_status,
 )
 from replicas.wire.http1 import HeaderError
-from replicas.wire.sse import SSEDecoder, SSEError
+from replicas.wire.sse import Event, SSEDecoder, SSEError
 from router.adapters import AdapterManager
 from router.framework import Router
 from router.registry import ReplicaRegistry, ReplicaState
@@ -129,6 +130,7 @@ class ProxyJob:
 _HOLD_LIMIT = 256 * 1024
 _OUTPUT_KEYS = ("content", "tool_calls", "reasoning_content", "reasoning")
 _ASSEMBLED = {"/v1/chat/completions": True, "/v1/completions": False}  # path -> chat
+_CHOICE_INDEX = re.compile(rb'"index":\s*(\d+)')
 
 
 def _is_output(choice: dict[str, Any]) -> bool:
@@ -190,6 +192,9 @@ class _Watch:
         except SSEError:
             self.broken = True
             return "token"
+        if self.t_first is not None and self.assembler is None:
+            self._count(events)
+            return "token"
         kind: str | None = None
         output = False
         for event in events:
@@ -223,6 +228,43 @@ class _Watch:
             if self.t_first is None:
                 self.t_first = self.t_last
         return kind or ("token" if self._left < 0 else None)
+
+    def _count(self, events: list[Event]) -> None:
+        """Past the first token of a stream passed through: count output events per choice
+        without parsing each one (a chunk's first ``"index"`` is its choice's, as vLLM and
+        OpenAI order the keys); only a usage or error chunk is parsed."""
+        output = False
+        for event in events:
+            data = event.data
+            if data == b"[DONE]":
+                self.done = True
+            elif b'"usage"' in data or b'"error"' in data:
+                self.feed_parsed(data)
+            elif b'"role"' not in data:
+                m = _CHOICE_INDEX.search(data)
+                index = int(m.group(1)) if m else 0
+                self.outputs[index] = self.outputs.get(index, 0) + 1
+                output = True
+        if output:
+            self.t_last = self._clock.now()
+
+    def feed_parsed(self, data: bytes) -> None:
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(obj, dict):
+            return
+        if "error" in obj and not obj.get("choices"):
+            self.error = obj
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.completion_tokens = usage["completion_tokens"]
+        for choice in obj.get("choices") or ():
+            if isinstance(choice, dict) and _is_output(choice):
+                index = choice.get("index", 0)
+                self.outputs[index] = self.outputs.get(index, 0) + 1
+                self.t_last = self._clock.now()
 
     def tokens_per_choice(self) -> int:
         """Output tokens of one choice: the usage count shared by the choices when the replica

@@ -1,10 +1,14 @@
 """``tidal bench gateway``: what the gateway adds to a streamed request, against a Rust peer.
 
-One simulated replica (``tidal sim --preset fast-test``) is reached three ways, in the same run
-and in turn: **direct**, through **tidal** (``tidal gateway`` as its own process: auth, feature
-policy, admission, the ``tidal`` router profile, the streaming proxy, metrics) and through
-**vllm-router** (the Rust router from PyPI, policy ``consistent_hash``, the closest to Tidal's
-prefix ring). Closed-loop clients stream chat completions of ``--tokens`` tokens; the rows give
+One simulated replica (``tidal sim --preset fast-test``) is reached several ways, in the same
+run and in turn: **direct**; through **tidal** (``tidal gateway`` as its own process: auth,
+feature policy, admission, the ``tidal`` router profile, the streaming proxy, metrics) with its
+lean HTTP/1.1 pool (:mod:`replicas.wire.http1`); through **tidal-aiohttp**, the same gateway
+sending with aiohttp instead (``gateway.upstream_client: aiohttp``), which says whether the lean
+pool is worth keeping; through **vllm-router** (the Rust router from PyPI, policy
+``consistent_hash``, the closest to Tidal's prefix ring); and, with ``--baseline-src DIR``,
+through **tidal-baseline**, the gateway of another checkout of Tidal (say, the last release),
+so that a change is compared with what it replaces in one run. Closed-loop clients stream chat completions of ``--tokens`` tokens; the rows give
 TTFT p50/p99 (to the first content token), streamed tokens per second, the TTFT added over
 direct, and the proxy's CPU time, so ``tokens_per_cpu_s`` is streamed tokens per second per core
 of the proxy. Two modes, each row saying which (``mode``):
@@ -26,6 +30,7 @@ Example::
     tidal bench gateway --quick
     tidal bench gateway --mode latency --latency-concurrency 64 --seconds 20
     tidal bench gateway --mode saturated --concurrency 64,256 --seconds 20 --tokens 128
+    tidal bench gateway --mode latency --baseline-src ../tidal-main
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import yaml
 
 from priority.window import quantile
 from replicas.launcher import ReplicaProcess, free_port, sim_process
+from replicas.wire.sse import SSEDecoder
 from tidal.fleet import hash_api_key
 
 __all__ = ["run"]
@@ -78,7 +84,10 @@ class _Target:
         return (int(fields[11]) + int(fields[12])) / ticks
 
 
-def _fleet(sim_url: str) -> dict[str, Any]:
+def _fleet(sim_url: str, upstream_client: str | None = None) -> dict[str, Any]:
+    gateway: dict[str, Any] = {"max_queue": 4096}
+    if upstream_client is not None:
+        gateway["upstream_client"] = upstream_client
     return {
         "models": [{"name": MODEL, "max_model_len": 32768}],
         "pools": {
@@ -93,12 +102,14 @@ def _fleet(sim_url: str) -> dict[str, Any]:
         },
         "features": {"default": {"class": "interactive", "context_cap": 32768}},
         "tenants": [{"name": "bench", "key_hashes": [hash_api_key(KEY)], "features": ["default"]}],
-        "gateway": {"max_queue": 4096},
+        "gateway": gateway,
     }
 
 
 @contextlib.contextmanager
-def _services(workdir: Path, time_scale: float = 1.0) -> Iterator[list[_Target]]:
+def _services(
+    workdir: Path, time_scale: float = 1.0, baseline_src: Path | None = None
+) -> Iterator[list[_Target]]:
     procs: list[ReplicaProcess] = []
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -110,22 +121,38 @@ def _services(workdir: Path, time_scale: float = 1.0) -> Iterator[list[_Target]]
         )
         procs.append(sim.start())
         sim.wait_ready(60)
-        fleet_path = workdir / "fleet.yaml"
-        fleet_path.write_text(yaml.safe_dump(_fleet(sim.url)))
-        gw_port = free_port()
-        gateway = ReplicaProcess(
-            "gateway",
-            [sys.executable, "-m", "tidal", "gateway", "--config", str(fleet_path), "--port", str(gw_port)],
-            port=gw_port,
-            env={"TIDAL_ADMIN_KEY": "bench-admin-key-0123456789"},
-            log_path=workdir / "gateway.log",
-            health_path="/healthz",
-        )
-        procs.append(gateway.start())
-        targets = [
-            _Target("direct", sim.url, None, {}),
-            _Target("tidal", gateway.url, gateway, {"Authorization": f"Bearer {KEY}"}),
+        gateways: list[tuple[str, str | None, Path | None]] = [
+            ("tidal", None, None),
+            ("tidal-aiohttp", "aiohttp", None),
         ]
+        if baseline_src is not None:
+            gateways.append(("tidal-baseline", None, baseline_src))
+        targets = [_Target("direct", sim.url, None, {})]
+        for name, client, src in gateways:
+            fleet_path = workdir / f"fleet-{name}.yaml"
+            fleet_path.write_text(yaml.safe_dump(_fleet(sim.url, client)))
+            gw_port = free_port()
+            gateway = ReplicaProcess(
+                name,
+                [
+                    sys.executable,
+                    "-m",
+                    "tidal",
+                    "gateway",
+                    "--config",
+                    str(fleet_path),
+                    "--port",
+                    str(gw_port),
+                ],
+                port=gw_port,
+                env={"TIDAL_ADMIN_KEY": "bench-admin-key-0123456789"}
+                | ({"PYTHONPATH": str(src)} if src is not None else {}),
+                cwd=src,
+                log_path=workdir / f"{name}.log",
+                health_path="/healthz",
+            )
+            procs.append(gateway.start())
+            targets.append(_Target(name, gateway.url, gateway, {"Authorization": f"Bearer {KEY}"}))
         router_bin = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
         if Path(router_bin).exists():
             r_port = free_port()
@@ -155,7 +182,9 @@ def _services(workdir: Path, time_scale: float = 1.0) -> Iterator[list[_Target]]
             targets.append(_Target("vllm-router", router.url, router, {}))
         else:
             click.echo("vllm-router is not installed (pip install 'tidal[bench]'): peer rows skipped")
-        gateway.wait_ready(60)
+        for target in targets:
+            if target.proc is not None:
+                target.proc.wait_ready(60)
         yield targets
     finally:
         for p in reversed(procs):
@@ -189,6 +218,7 @@ async def _client(
         t0 = time.perf_counter()
         first: float | None = None
         n = 0
+        decoder = SSEDecoder()
         async with session.post(
             target.url + "/v1/chat/completions",
             data=json.dumps(body).encode(),
@@ -199,12 +229,14 @@ async def _client(
                 await asyncio.sleep(0.01)
                 continue
             async for piece in resp.content.iter_any():
-                if first is None and b'"content":"' in piece.replace(b'"content":""', b""):
-                    first = time.perf_counter()
-                n += piece.count(b"data: {")
+                for event in decoder.feed(piece):
+                    if b'"content":"' in event.data.replace(b'"content":""', b""):
+                        n += 1
+                        if first is None:
+                            first = time.perf_counter()
         if t0 >= warmup_end and first is not None:
             ttfts.append(first - t0)
-            counted[0] += max(0, n - 2)  # less the role chunk and the final (finish) chunk
+            counted[0] += n
 
 
 async def _measure(
@@ -259,12 +291,14 @@ def run(
     latency_concurrency: str = "64",
     time_scale: str | float = 0.1,
     think_ms: str | float = 50,
+    baseline_src: str | None = None,
     **_: Any,
 ) -> list[dict[str, Any]]:
     """Rows: ``target``, ``concurrency``, ``mode``, ``ttft_p50_s``, ``ttft_p99_s``,
     ``tokens_per_s``, plus the TTFT added over direct and the proxy's CPU use (medians over
     rounds). ``concurrency`` is the saturated mode's levels, ``latency_concurrency`` the latency
-    mode's; ``time_scale`` paces the latency mode's replica, ``think_ms`` bounds its think time."""
+    mode's; ``time_scale`` paces the latency mode's replica, ``think_ms`` bounds its think time;
+    ``baseline_src`` is another checkout whose gateway runs as one more target."""
     modes = [m.strip() for m in str(mode).split(",") if m.strip()]
     for m in modes:
         if m not in MODES:
@@ -279,7 +313,8 @@ def run(
             levels = [int(x) for x in str(concurrency if saturated else latency_concurrency).split(",")]
             scale = 1.0 if saturated else float(time_scale)
             think_s = 0.0 if saturated else float(think_ms) / 1000
-            with _services(Path(tmp) / m, scale) as targets:
+            baseline = Path(baseline_src).resolve() if baseline_src else None
+            with _services(Path(tmp) / m, scale, baseline) as targets:
                 click.echo(
                     f"{m}: one simulated replica (fast-test, time scale {scale:g}), {n_tokens}-token "
                     f"streams, think time up to {think_s * 1000:g} ms, {secs:g} s per measurement, "

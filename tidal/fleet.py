@@ -393,6 +393,9 @@ class GatewaySpec(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0, le=1024 * 1024 * 1024)
     scrape_interval_s: float = Field(default=1.0, gt=0, le=60)
     retry_before_first_token: bool = True
+    # The replicas' HTTP client: the gateway's lean HTTP/1.1 pool, or aiohttp (measured side by
+    # side by `tidal bench gateway`). The external provider always goes through aiohttp.
+    upstream_client: Literal["lean", "aiohttp"] = "lean"
 
 
 class PluginSpec(_Strict):
