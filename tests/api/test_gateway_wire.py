@@ -115,6 +115,11 @@ class QuirkyReplica:
             models = {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 4096}]}
             self._plain(writer, "200 OK", json.dumps(models).encode() if path == "/v1/models" else b"")
             return
+        if path == "/v1/embeddings":  # a legal 203 (say, from a transforming proxy): passed on
+            vector = {"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}
+            answer = {"object": "list", "model": "tiny", "data": [vector], "usage": _usage(0)}
+            self._plain(writer, "203 Non-Authoritative Information", json.dumps(answer).encode())
+            return
         self.requests += 1
         request = json.loads(body)
         marker = request["messages"][-1]["content"]
@@ -243,10 +248,13 @@ def test_every_answer_reaches_its_own_request_under_64_concurrent_requests(
         return answers
 
     before = replica.requests
+    ttfts = gw.metric("tidal_gateway_ttft_seconds_count")
     answers = asyncio.run(rounds())
     expected = [f"{i}:request {i} says {i * 7919 % 1000}" for _ in range(3) for i in range(64)]
     assert answers == expected
     assert replica.requests - before == 3 * 64  # no request was sent twice
+    # Streaming or not, every request's time to first token was measured.
+    assert gw.metric("tidal_gateway_ttft_seconds_count") - ttfts == 3 * 64
 
 
 def test_kv_usage_of_data_parallel_engines_stays_within_0_and_1(
@@ -324,3 +332,36 @@ def test_middleware_the_gateway_adds_applies_to_streams() -> None:
         assert resp.headers["access-control-allow-origin"] == "https://app.example"
         assert text.count("data: ") >= 6 and "[DONE]" in text
         assert _Stamp.chunks >= 4  # the tokens come 250 ms apart, each through the middleware
+
+
+def test_the_upstream_status_is_passed_through(gateway: tuple[Gateway, QuirkyReplica]) -> None:
+    gw, _ = gateway
+    resp = httpx.post(
+        gw.url + "/v1/embeddings",
+        json={"model": "tiny", "input": "hello"},
+        headers={"Authorization": f"Bearer {DEV_KEY}"},
+        timeout=30,
+    )
+    assert resp.status_code == 203
+    assert resp.json()["data"][0]["embedding"] == [0.5, 0.25]
+
+
+def test_a_client_that_leaves_is_not_a_replica_failure(gateway: tuple[Gateway, QuirkyReplica]) -> None:
+    gw, _ = gateway
+    errors = gw.metric("tidal_gateway_upstream_errors_total")
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "a b c d e f"}],
+        "stream": True,
+        "slow": True,
+    }
+    for _ in range(3):
+        with gw.sse(body) as resp:
+            for line in resp.iter_lines():
+                if '"content"' in line and '"content": ""' not in line:
+                    break  # the first token: leave mid-stream
+    time.sleep(1.0)
+    load = httpx.get(gw.url + "/admin/load", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    assert gw.metric("tidal_gateway_upstream_errors_total") == errors
+    assert load["pools"]["interactive"]["error_rate"] == 0.0
+    assert all(g["errors"] == 0 for g in load["groups"].values())
