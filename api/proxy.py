@@ -158,6 +158,7 @@ class _Watch:
         "_clock",
         "_decoder",
         "_left",
+        "_one_choice",
         "assembler",
         "broken",
         "completion_tokens",
@@ -168,8 +169,11 @@ class _Watch:
         "t_last",
     )
 
-    def __init__(self, clock: Clock, assembler: Assembler | None = None, limit: int = _HOLD_LIMIT) -> None:
+    def __init__(
+        self, clock: Clock, assembler: Assembler | None = None, limit: int = _HOLD_LIMIT, choices: int = 1
+    ) -> None:
         self._clock = clock
+        self._one_choice = choices == 1
         self._decoder = SSEDecoder()
         self._left = limit
         self.assembler = assembler
@@ -241,8 +245,11 @@ class _Watch:
             elif b'"usage"' in data or b'"error"' in data:
                 self.feed_parsed(data)
             elif b'"role"' not in data:
-                m = _CHOICE_INDEX.search(data)
-                index = int(m.group(1)) if m else 0
+                if self._one_choice:
+                    index = 0
+                else:
+                    m = _CHOICE_INDEX.search(data)
+                    index = int(m.group(1)) if m else 0
                 self.outputs[index] = self.outputs.get(index, 0) + 1
                 output = True
         if output:
@@ -574,7 +581,12 @@ class Proxy:
                     await send({"type": "http.response.body", "body": raw})
                     job.sent = True
                     return None
-                watch = _Watch(self.clock, Assembler(chat=bool(chat)) if assemble else None)
+                n = job.body.get("n")
+                watch = _Watch(
+                    self.clock,
+                    Assembler(chat=bool(chat)) if assemble else None,
+                    choices=n if isinstance(n, int) and n > 1 else 1,
+                )
                 tpot, failed = await self._stream(job, resp, watch, send, may_retry, target)
                 return None
         except HeaderError as exc:

@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["Event", "SSEDecoder", "SSEError", "iter_data"]
 
@@ -33,8 +33,7 @@ class SSEError(ValueError):
     """The stream broke a limit (a line longer than ``max_line``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
     """One dispatched event: ``data`` (its ``data:`` lines joined by LF), ``event`` (the type,
     ``b"message"`` when none was given), ``id`` (the last event id in force, or ``None``) and
     ``retry`` (milliseconds, when this event carried a valid ``retry`` field)."""
@@ -85,16 +84,20 @@ class SSEDecoder:
             raise SSEError(f"an SSE line longer than {self._max_line} bytes")
         self._buf = rest
         events: list[Event] = []
+        data = self._data
         for line in lines:
-            if line:
+            if line[:5] == b"data:":  # the common case, inline
+                data.append(line[6:] if line[5:6] == b" " else line[5:])
+            elif line:
                 self._field(line)
-            elif self._data:
-                events.append(
-                    Event(b"\n".join(self._data), self._event or b"message", self.last_id, self._retry)
-                )
-                self._reset()
-            else:
-                self._reset()
+            elif data:
+                events.append(Event(b"\n".join(data), self._event or b"message", self.last_id, self._retry))
+                data = self._data = []
+                self._event = b""
+                self._retry = None
+            else:  # a blank line with no data: nothing to dispatch
+                self._event = b""
+                self._retry = None
         return events
 
     def _reset(self) -> None:

@@ -72,7 +72,7 @@ def test_tpot_counts_tokens_per_choice_not_data_lines() -> None:
     """Two choices of 5 tokens each, 10 ms apart per token: TPOT is 10 ms, whatever the framing
     (one event per line, or several events and comments in one piece)."""
     clock = ManualClock()
-    watch = _Watch(clock)
+    watch = _Watch(clock, choices=2)
     watch.feed(ROLE)
     for _ in range(5):
         watch.feed(_chunk(0, "a") + b": data: not an event\n\n" + _chunk(1, "b"))
@@ -84,7 +84,7 @@ def test_tpot_counts_tokens_per_choice_not_data_lines() -> None:
 
 def test_without_a_usage_chunk_tokens_are_the_longest_choice_s_output_events() -> None:
     clock = ManualClock()
-    watch = _Watch(clock)
+    watch = _Watch(clock, choices=2)
     for _ in range(6):
         watch.feed(_chunk(0, "a"))
         clock.advance(0.02)

@@ -30,6 +30,7 @@ def _decode(*pieces: bytes) -> list[Event]:
         (b": comment\ndata: x\n\n", [Event(b"x")]),
         (b"event: ping\ndata: x\n\n", [Event(b"x", b"ping")]),
         (b"event: ping\n\ndata: x\n\n", [Event(b"x")]),  # the type resets at the blank line
+        (b"\n\ndata: x\n\n\ndata: y\n\n", [Event(b"x"), Event(b"y")]),
         (b"id: 7\ndata: x\n\ndata: y\n\n", [Event(b"x", id=b"7"), Event(b"y", id=b"7")]),
         (b"id: a\0b\ndata: x\n\n", [Event(b"x")]),
         (b"retry: 3000\ndata: x\n\n", [Event(b"x", retry=3000)]),
