@@ -206,32 +206,38 @@ class _Watch:
                 self.done = True
                 kind = kind or "done"
                 continue
-            try:
-                obj = json.loads(event.data)
-            except ValueError:
-                continue
-            if not isinstance(obj, dict):
-                continue
-            if self.assembler is not None:
-                self.assembler.add(obj)
-            if "error" in obj and not obj.get("choices"):
-                self.error = obj
-                kind = kind or "error"
-                continue
-            usage = obj.get("usage")
-            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                self.completion_tokens = usage["completion_tokens"]
-            for choice in obj.get("choices") or ():
-                if isinstance(choice, dict) and _is_output(choice):
-                    index = choice.get("index", 0)
-                    self.outputs[index] = self.outputs.get(index, 0) + 1
-                    output = True
-                    kind = kind or "token"
+            found = self._parsed(event.data)
+            output = output or found == "token"
+            kind = kind or found
         if output:
             self.t_last = self._clock.now()
             if self.t_first is None:
                 self.t_first = self.t_last
         return kind or ("token" if self._left < 0 else None)
+
+    def _parsed(self, data: bytes) -> str | None:
+        """Read one event's JSON: ``"token"`` when it carried output, ``"error"`` for an error."""
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if self.assembler is not None:
+            self.assembler.add(obj)
+        if "error" in obj and not obj.get("choices"):
+            self.error = obj
+            return "error"
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.completion_tokens = usage["completion_tokens"]
+        found = None
+        for choice in obj.get("choices") or ():
+            if isinstance(choice, dict) and _is_output(choice):
+                index = choice.get("index", 0)
+                self.outputs[index] = self.outputs.get(index, 0) + 1
+                found = "token"
+        return found
 
     def _count(self, events: list[Event]) -> None:
         """Past the first token of a stream passed through: count output events per choice
@@ -243,7 +249,7 @@ class _Watch:
             if data == b"[DONE]":
                 self.done = True
             elif b'"usage"' in data or b'"error"' in data:
-                self.feed_parsed(data)
+                output = self._parsed(data) == "token" or output
             elif b'"role"' not in data:
                 if self._one_choice:
                     index = 0
@@ -254,24 +260,6 @@ class _Watch:
                 output = True
         if output:
             self.t_last = self._clock.now()
-
-    def feed_parsed(self, data: bytes) -> None:
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return
-        if not isinstance(obj, dict):
-            return
-        if "error" in obj and not obj.get("choices"):
-            self.error = obj
-        usage = obj.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.completion_tokens = usage["completion_tokens"]
-        for choice in obj.get("choices") or ():
-            if isinstance(choice, dict) and _is_output(choice):
-                index = choice.get("index", 0)
-                self.outputs[index] = self.outputs.get(index, 0) + 1
-                self.t_last = self._clock.now()
 
     def tokens_per_choice(self) -> int:
         """Output tokens of one choice: the usage count shared by the choices when the replica
