@@ -70,7 +70,7 @@ from batch_jobs.store import Store
 from priority.queues import Topology, declare_topology, delete_topology, is_amqp
 from priority.window import quantile
 from replicas.launcher import ReplicaProcess, free_port, sim_process
-from replicas.metrics import parse_samples
+from replicas.wire.prom import parse_samples
 from scheduler.gate import BatchGate, GateController, GateState, LaneAck, Transition
 from scheduler.gateway import GatewayAdmin
 from scheduler.lanes import SharedLane

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from replicas.launcher import sim_process
-from replicas.metrics import parse_samples
+from replicas.wire.prom import parse_samples
 
 __all__ = ["realtime_check"]
 

@@ -11,7 +11,8 @@ from replicas.errors import (
     ReplicaTimeout,
     ReplicaUnavailable,
 )
-from replicas.metrics import Histogram, LoadSnapshot, parse_load_snapshot
+from replicas.metrics import LoadSnapshot, parse_load_snapshot
+from replicas.wire.prom import Histogram
 
 __all__ = [
     "Histogram",

@@ -1,9 +1,13 @@
-"""Parse a vLLM ``/metrics`` page into a typed load snapshot.
+"""Read a vLLM ``/metrics`` page as a typed load snapshot.
 
 Names follow vLLM 0.33 (``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_hits_total``, ...); the
 older names (``vllm:gpu_cache_usage_perc``, ``vllm:gpu_prefix_cache_*``,
-``vllm:time_per_output_token_seconds``) are read when the new ones are absent. Values of the same
-family are summed across the ``engine`` label (data-parallel ranks).
+``vllm:time_per_output_token_seconds``) are read when the new ones are absent. The Prometheus
+text itself is read by :mod:`replicas.wire.prom`.
+
+A data-parallel vLLM labels each engine's series with ``engine="N"``; they combine as vLLM means
+them: ratio gauges (KV-cache usage) average over engines, request counts and counters add up,
+histograms add bucket by bucket, and ``num_gpu_blocks`` adds up across engines.
 
 Example::
 
@@ -14,103 +18,11 @@ Example::
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = [
-    "Histogram",
-    "LoadSnapshot",
-    "Sample",
-    "parse_load_snapshot",
-    "parse_samples",
-]
+from replicas.wire.prom import Histogram, Sample, parse_samples, sum_histograms
 
-_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
-def _unescape(v: str) -> str:
-    return v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
-
-
-def parse_samples(text: str) -> Iterator[Sample]:
-    """Yield every sample of a Prometheus text exposition; comments and bad lines are skipped."""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line[0] == "#":
-            continue
-        brace = line.find("{")
-        labels: dict[str, str] = {}
-        if brace != -1:
-            end = line.rfind("}")
-            if end < brace:
-                continue
-            name = line[:brace]
-            body = line[brace + 1 : end]
-            pos = 0
-            while pos < len(body):
-                m = _LABEL.match(body, pos)
-                if not m:
-                    break
-                labels[m.group(1)] = _unescape(m.group(2))
-                pos = m.end()
-            rest = line[end + 1 :].split()
-        else:
-            parts = line.split()
-            name, rest = parts[0], parts[1:]
-        if not rest:
-            continue
-        try:
-            value = float(rest[0])
-        except ValueError:
-            continue
-        yield Sample(name, labels, value)
-
-
-@dataclass(frozen=True, slots=True)
-class Histogram:
-    """A cumulative Prometheus histogram: ``buckets`` are ``(le, cumulative count)`` ascending."""
-
-    buckets: tuple[tuple[float, float], ...]
-    sum: float
-    count: float
-
-    def quantile(self, q: float) -> float:
-        """Estimate the q-quantile by linear interpolation inside the bucket (as PromQL does)."""
-        if self.count <= 0 or not self.buckets:
-            return math.nan
-        rank = q * self.count
-        prev_le, prev_c = 0.0, 0.0
-        for le, c in self.buckets:
-            if c >= rank:
-                if math.isinf(le):
-                    return prev_le
-                if c == prev_c:
-                    return le
-                return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
-            prev_le, prev_c = le, c
-        return prev_le
-
-    @property
-    def mean(self) -> float:
-        return self.sum / self.count if self.count else math.nan
-
-    def __sub__(self, older: Histogram) -> Histogram:
-        """The observations made between ``older`` and this snapshot (same bucket layout)."""
-        old = dict(older.buckets)
-        return Histogram(
-            tuple((le, c - old.get(le, 0.0)) for le, c in self.buckets),
-            self.sum - older.sum,
-            self.count - older.count,
-        )
+__all__ = ["LoadSnapshot", "parse_load_snapshot"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +54,21 @@ class LoadSnapshot:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-# Each field: the names to try, newest first. Counters may be exposed with or without `_total`.
-_GAUGES = {
+# Each field: the names to try, newest first; how the ``engine`` series of a data-parallel vLLM
+# combine is in the name of the table. Counters may be exposed with or without ``_total``.
+#
+# KV-cache usage is a fraction of one engine's cache, so the replica's is the engines' mean, not
+# their sum (0.6 and 0.6 are 0.6, not 1.2). The engines of one vLLM have the same cache size, so
+# the mean is the used share of all the replica's blocks; and vLLM's API server sends each new
+# request to its least loaded engine, so one full engine does not make the replica full. The max
+# would be the cautious reading, but it would shut the batch gate and rank the replica last while
+# half its cache is free.
+_MEAN: dict[str, tuple[str, ...]] = {
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+}
+_SUM: dict[str, tuple[str, ...]] = {
     "num_running": ("vllm:num_requests_running",),
     "num_waiting": ("vllm:num_requests_waiting",),
-    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-}
-_COUNTERS = {
     "prefix_cache_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
     "prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
     "num_preemptions": ("vllm:num_preemptions",),
@@ -156,7 +76,7 @@ _COUNTERS = {
     "generation_tokens": ("vllm:generation_tokens",),
     "requests_finished": ("vllm:request_success",),
 }
-_HISTOGRAMS = {
+_HISTOGRAMS: dict[str, tuple[str, ...]] = {  # summed bucket by bucket
     "ttft": ("vllm:time_to_first_token_seconds",),
     "queue_time": ("vllm:request_queue_time_seconds",),
     "inter_token_latency": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
@@ -169,63 +89,50 @@ def _split_adapters(v: str) -> frozenset[str]:
 
 
 def parse_load_snapshot(text: str) -> LoadSnapshot:
-    """Parse a ``/metrics`` page (vLLM, the simulated replica, or anything with the same names)."""
-    return snapshot_from_samples(parse_samples(text))
+    """Parse a ``/metrics`` page (vLLM, the simulated replica, or anything with the same names).
 
-
-def snapshot_from_samples(samples: Iterable[Sample]) -> LoadSnapshot:
-    sums: dict[str, float] = {}
-    buckets: dict[str, dict[float, float]] = {}
-    lora_latest: tuple[float, Sample] | None = None
+    Raises :class:`~replicas.wire.prom.PromParseError` (a ``ValueError``) for a page that is not
+    Prometheus text; the scraper then keeps the replica's previous snapshot.
+    """
+    samples = list(parse_samples(text))
+    values: dict[str, list[float]] = {}  # by name without `_total`: each series' value
+    lora_latest: Sample | None = None
     models: set[str] = set()
     block_size = num_blocks = None
     for s in samples:
-        name = s.name
-        if "model_name" in s.labels:
-            models.add(s.labels["model_name"])
-        if name.endswith("_bucket"):
-            le_s = s.labels.get("le")
-            if le_s is None:
-                continue
-            le = math.inf if le_s in ("+Inf", "Inf", "inf") else float(le_s)
-            per = buckets.setdefault(name[: -len("_bucket")], {})
-            per[le] = per.get(le, 0.0) + s.value
-            continue
+        name, labels = s.name, s.labels
+        if "model_name" in labels:
+            models.add(labels["model_name"])
         if name == "vllm:lora_requests_info":
-            if lora_latest is None or s.value >= lora_latest[0]:
-                lora_latest = (s.value, s)
+            # One series per adapter set ever seen; its value is when it was last current.
+            if lora_latest is None or s.value >= lora_latest.value:
+                lora_latest = s
             continue
         if name == "vllm:cache_config_info":
-            bs, nb = s.labels.get("block_size"), s.labels.get("num_gpu_blocks")
+            bs, nb = labels.get("block_size"), labels.get("num_gpu_blocks")
             if bs and bs.isdigit():
                 block_size = int(bs)
             if nb and nb.isdigit():
-                num_blocks = (num_blocks or 0) + int(nb)
+                num_blocks = (num_blocks or 0) + int(nb)  # each engine has its own cache
             continue
-        if name.endswith("_created"):
+        if name.endswith(("_bucket", "_created")):
             continue
         if name.endswith("_total"):
             name = name[: -len("_total")]
-        sums[name] = sums.get(name, 0.0) + s.value
+        values.setdefault(name, []).append(s.value)
+    histograms = sum_histograms(samples)
 
-    def first(names: tuple[str, ...]) -> float:
-        for n in names:
-            if n in sums:
-                return sums[n]
-        return 0.0
+    def first(names: tuple[str, ...]) -> list[float]:
+        return next((values[n] for n in names if n in values), [])
 
-    def hist(names: tuple[str, ...]) -> Histogram | None:
-        for n in names:
-            if n in buckets:
-                b = tuple(sorted(buckets[n].items()))
-                return Histogram(b, sums.get(n + "_sum", 0.0), sums.get(n + "_count", b[-1][1] if b else 0.0))
-        return None
-
-    kwargs: dict[str, object] = {f: first(n) for f, n in _GAUGES.items()}
-    kwargs.update({f: first(n) for f, n in _COUNTERS.items()})
-    kwargs.update({f: hist(n) for f, n in _HISTOGRAMS.items()})
+    kwargs: dict[str, object] = {f: sum(first(n)) for f, n in _SUM.items()}
+    for f, n in _MEAN.items():
+        v = first(n)
+        kwargs[f] = min(1.0, max(0.0, sum(v) / len(v))) if v else 0.0
+    for f, n in _HISTOGRAMS.items():
+        kwargs[f] = next((histograms[h] for h in n if h in histograms), None)
     if lora_latest is not None:
-        labels = lora_latest[1].labels
+        labels = lora_latest.labels
         kwargs["running_lora_adapters"] = _split_adapters(labels.get("running_lora_adapters", ""))
         kwargs["waiting_lora_adapters"] = _split_adapters(labels.get("waiting_lora_adapters", ""))
         ml = labels.get("max_lora", "")

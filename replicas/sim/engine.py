@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from replicas.metrics import Histogram, LoadSnapshot
+from replicas.metrics import LoadSnapshot
 from replicas.sim.block_pool import BlockPool
 from replicas.sim.kv_cache_manager import KVCacheManager
 from replicas.sim.presets import Preset, get_preset
 from replicas.sim.request import Request, RequestStatus
 from replicas.sim.scheduler import Policy, Scheduler, SchedulerConfig, SchedulerOutput
+from replicas.wire.prom import Histogram
 
 __all__ = ["EngineConfig", "LoRAAdapter", "SimEngine", "StepOutput"]
 
@@ -67,65 +67,6 @@ def _buckets_1_2_5(max_value: int) -> tuple[float, ...]:
                 return tuple(out)
             out.append(float(v))
         exp += 1
-
-
-class _Hist:
-    """A fixed-bucket histogram with cheap bulk updates (per-bucket counts, not cumulative)."""
-
-    __slots__ = ("_frozen", "bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(float(b) for b in bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-        self._frozen: tuple[int, float, Histogram] | None = None
-
-    def observe(self, v: float, n: int = 1) -> None:
-        self.counts[bisect_left(self.bounds, v)] += n
-        self.sum += v * n
-        self.count += n
-
-    def observe_arithmetic(self, first: float, step: float, k: int, weight: int) -> None:
-        """Observe ``first + step * j`` for j in 0..k-1, each ``weight`` times (step >= 0)."""
-        if k <= 0 or weight <= 0:
-            return
-        last = first + step * (k - 1)
-        lo = bisect_left(self.bounds, first)
-        hi = bisect_left(self.bounds, last)
-        if lo == hi:
-            self.counts[lo] += k * weight
-        else:
-            placed = 0
-            for i in range(lo, hi):
-                # Values v_j <= bound i: j <= (bound - first) / step.
-                b = self.bounds[i]
-                upto = min(k, max(0, math.floor((b - first) / step) + 1))
-                # Settle float rounding at the boundary exactly as single observations would.
-                while upto < k and first + step * upto <= b:
-                    upto += 1
-                while upto > 0 and first + step * (upto - 1) > b:
-                    upto -= 1
-                self.counts[i] += (upto - placed) * weight
-                placed = upto
-            self.counts[hi] += (k - placed) * weight
-        self.sum += weight * (k * first + step * k * (k - 1) / 2)
-        self.count += k * weight
-
-    def to_histogram(self) -> Histogram:
-        # Snapshots are taken often (every scrape, every routing decision): reuse the last one
-        # while nothing was observed since.
-        frozen = self._frozen
-        if frozen is not None and frozen[0] == self.count and frozen[1] == self.sum:
-            return frozen[2]
-        cum = 0
-        out: list[tuple[float, float]] = []
-        for b, c in zip((*self.bounds, math.inf), self.counts, strict=True):
-            cum += c
-            out.append((b, float(cum)))
-        h = Histogram(tuple(out), float(self.sum), float(self.count))
-        self._frozen = (self.count, self.sum, h)
-        return h
 
 
 @dataclass(frozen=True)
@@ -224,22 +165,22 @@ class _Counters:
         self.read_bytes = 0.0
         self.write_bytes = 0.0
         b125 = _buckets_1_2_5(max_model_len)
-        self.ttft = _Hist(TTFT_BUCKETS)
-        self.itl = _Hist(ITL_BUCKETS)
-        self.tpot = _Hist(ITL_BUCKETS)
-        self.e2e = _Hist(REQUEST_LATENCY_BUCKETS)
-        self.queue = _Hist(REQUEST_LATENCY_BUCKETS)
-        self.inference = _Hist(REQUEST_LATENCY_BUCKETS)
-        self.prefill = _Hist(REQUEST_LATENCY_BUCKETS)
-        self.decode = _Hist(REQUEST_LATENCY_BUCKETS)
-        self.prompt_len = _Hist(b125)
-        self.gen_len = _Hist(b125)
-        self.max_gen = _Hist(b125)
-        self.max_tokens_param = _Hist(b125)
-        self.prefill_kv_computed = _Hist(b125)
-        self.iteration_tokens = _Hist(ITERATION_TOKENS_BUCKETS)
-        self.params_n = _Hist(PARAMS_N_BUCKETS)
-        self.num_preemptions_hist = _Hist(PREEMPTION_BUCKETS)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.tpot = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.queue = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.inference = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.prefill = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.decode = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.prompt_len = Histogram(b125)
+        self.gen_len = Histogram(b125)
+        self.max_gen = Histogram(b125)
+        self.max_tokens_param = Histogram(b125)
+        self.prefill_kv_computed = Histogram(b125)
+        self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
+        self.params_n = Histogram(PARAMS_N_BUCKETS)
+        self.num_preemptions_hist = Histogram(PREEMPTION_BUCKETS)
 
 
 def _default_token_source(seed: int, vocab: int) -> Callable[[Request], int]:
@@ -578,10 +519,10 @@ class SimEngine:
             running_lora_adapters=running_l,
             waiting_lora_adapters=waiting_l,
             max_lora=max_lora,
-            ttft=m.ttft.to_histogram(),
-            queue_time=m.queue.to_histogram(),
-            inter_token_latency=m.itl.to_histogram(),
-            e2e_latency=m.e2e.to_histogram(),
+            ttft=m.ttft.copy(),
+            queue_time=m.queue.copy(),
+            inter_token_latency=m.itl.copy(),
+            e2e_latency=m.e2e.copy(),
             block_size=self.block_size,
             num_gpu_blocks=self.config.num_gpu_blocks,
             model_names=frozenset({self.config.served_model_name}),
@@ -926,9 +867,9 @@ class _Writer:
         for labels, _ in samples:
             self.lines.append(f"{name}_created{_labels(labels)} {self.created}")
 
-    def hist(self, name: str, doc: str, labels: dict[str, str], h: _Hist) -> None:
+    def hist(self, name: str, doc: str, labels: dict[str, str], h: Histogram) -> None:
         self._head(name, doc, "histogram")
-        cum = 0
+        cum = 0.0
         for b, c in zip((*h.bounds, math.inf), h.counts, strict=True):
             cum += c
             self.lines.append(f"{name}_bucket{_labels({**labels, 'le': _go_float(b)})} {_go_float(cum)}")

@@ -24,7 +24,7 @@ import yaml
 from aiohttp import web
 
 from replicas.launcher import ReplicaProcess, free_port
-from replicas.metrics import parse_samples
+from replicas.wire.prom import parse_samples
 from router.ring import HashRing, stable_hash
 from tidal.fleet import hash_api_key
 

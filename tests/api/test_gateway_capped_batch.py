@@ -23,14 +23,14 @@ import httpx
 import openai
 import pytest
 
-from replicas.metrics import Histogram, parse_samples
+from replicas.wire.prom import Histogram, parse_samples, sum_histograms
 from tests.api.harness import DEV_KEY, Gateway, fleet_dict, run_gateway
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TOKENS = 48
 SLO = 0.025
-EMPTY = Histogram((), 0.0, 0.0)
+EMPTY = Histogram()
 COLOURS = ("blue", "red", "grey", "green", "gold")
 
 
@@ -55,17 +55,7 @@ async def _one(client: openai.AsyncOpenAI, i: int) -> None:
 
 def _histogram(url: str, name: str) -> Histogram:
     """The histogram ``name`` from ``url``'s ``/metrics``, summed over its label sets."""
-    buckets: dict[float, float] = {}
-    total = count = 0.0
-    for s in parse_samples(httpx.get(url + "/metrics", timeout=10).text):
-        if s.name == name + "_bucket":
-            le = float("inf") if s.labels["le"] == "+Inf" else float(s.labels["le"])
-            buckets[le] = buckets.get(le, 0.0) + s.value
-        elif s.name == name + "_sum":
-            total += s.value
-        elif s.name == name + "_count":
-            count += s.value
-    return Histogram(tuple(sorted(buckets.items())), total, count)
+    return sum_histograms(parse_samples(httpx.get(url + "/metrics", timeout=10).text)).get(name, EMPTY)
 
 
 def _histograms(gw: Gateway, replica_url: str) -> tuple[Histogram, Histogram]:

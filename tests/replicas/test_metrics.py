@@ -1,4 +1,5 @@
-"""Parsing vLLM's /metrics into a load snapshot (new names, old names, histograms, LoRA info)."""
+"""Parsing vLLM's /metrics into a load snapshot (new names, old names, histograms, LoRA info,
+data-parallel engines)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import math
 
 import pytest
 
-from replicas.metrics import Histogram, parse_load_snapshot, parse_samples
+from replicas.metrics import parse_load_snapshot
+from replicas.wire.prom import PromParseError
 
 V033 = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -67,19 +69,91 @@ def test_older_names_are_tolerated() -> None:
     assert snap.inter_token_latency is not None and snap.inter_token_latency.count == 4
 
 
-def test_histogram_quantile_interpolates_like_promql() -> None:
-    h = Histogram(((0.1, 2.0), (0.5, 8.0), (math.inf, 10.0)), sum=3.0, count=10.0)
-    assert h.quantile(0.2) == pytest.approx(0.1)
-    assert h.quantile(0.5) == pytest.approx(0.1 + 0.4 * (5 - 2) / 6)
-    assert h.quantile(0.99) == pytest.approx(0.5)  # falls in +Inf: the highest finite bound
-    later = Histogram(((0.1, 3.0), (0.5, 12.0), (math.inf, 14.0)), sum=5.0, count=14.0)
-    delta = later - h
-    assert delta.count == 4.0 and delta.buckets[0] == (0.1, 1.0)
-    assert math.isnan(Histogram((), 0, 0).quantile(0.5))
+# A data-parallel vLLM (two engines) in the middle of work: vLLM 0.33's layout.
+TWO_ENGINES = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 5.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 4.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.6
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.6
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 50.0
+# HELP vllm:prefix_cache_hits_created Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_created gauge
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e+09
+vllm:prefix_cache_hits_created{engine="1",model_name="m"} 1.7e+09
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 2.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 2.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.5
+vllm:time_to_first_token_seconds_bucket{engine="1",le="0.1",model_name="m"} 3.0
+vllm:time_to_first_token_seconds_bucket{engine="1",le="+Inf",model_name="m"} 3.0
+vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 3.0
+vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 0.25
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0
+"""
 
 
-def test_labels_with_escapes_and_garbage_lines() -> None:
-    text = 'x{a="q\\"uote,d",b="2"} 7\nnot a metric line\ny 3 1700000000\n'
-    samples = list(parse_samples(text))
-    assert samples[0].labels == {"a": 'q"uote,d', "b": "2"} and samples[0].value == 7
-    assert samples[-1].name == "y" and samples[-1].value == 3
+def _engines(*lines: str) -> str:
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("page", "field", "expected"),
+    [
+        # KV-cache usage is each engine's fraction: the replica's is their mean, never above 1.
+        (TWO_ENGINES, "kv_cache_usage", 0.6),
+        (
+            _engines('vllm:kv_cache_usage_perc{engine="0"} 0.2', 'vllm:kv_cache_usage_perc{engine="1"} 0.9'),
+            "kv_cache_usage",
+            0.55,
+        ),
+        (
+            _engines(
+                'vllm:gpu_cache_usage_perc{engine="0"} 1.0', 'vllm:gpu_cache_usage_perc{engine="1"} 1.0'
+            ),
+            "kv_cache_usage",
+            1.0,
+        ),
+        # Request counts and counters add up.
+        (TWO_ENGINES, "num_waiting", 7.0),
+        (TWO_ENGINES, "num_running", 7.0),
+        (TWO_ENGINES, "prefix_cache_hits", 150.0),
+        (
+            _engines('vllm:num_preemptions{engine="0"} 1', 'vllm:num_preemptions_total{engine="1"} 2'),
+            "num_preemptions",
+            3.0,
+        ),
+        # Each engine has its own cache: the replica has the blocks of both.
+        (TWO_ENGINES, "num_gpu_blocks", 2000),
+        (TWO_ENGINES, "block_size", 16),
+    ],
+)
+def test_data_parallel_engines_combine_as_vllm_means_them(page: str, field: str, expected: float) -> None:
+    assert getattr(parse_load_snapshot(page), field) == pytest.approx(expected)
+
+
+def test_data_parallel_histograms_add_bucket_by_bucket() -> None:
+    ttft = parse_load_snapshot(TWO_ENGINES).ttft
+    assert ttft is not None
+    assert ttft.buckets == ((0.1, 4.0), (math.inf, 5.0)) and ttft.sum == pytest.approx(0.75)
+
+
+def test_a_malformed_page_raises_what_the_scraper_catches() -> None:
+    with pytest.raises(PromParseError) as e:
+        parse_load_snapshot('vllm:num_requests_waiting{engine="0"} 3\nvllm:num_requests_wait')
+    assert isinstance(e.value, ValueError)

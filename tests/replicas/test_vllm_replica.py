@@ -9,7 +9,7 @@ import pytest
 
 from replicas.client import ReplicaClient
 from replicas.errors import ReplicaModelNotFound, ReplicaRequestError
-from replicas.metrics import parse_samples
+from replicas.wire.prom import parse_samples
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
 

@@ -23,7 +23,7 @@ import pytest
 
 from priority.queues import Topology
 from replicas.launcher import ReplicaProcess, free_port
-from replicas.metrics import parse_samples
+from replicas.wire.prom import parse_samples
 from tests.api.harness import ADMIN_KEY, DEV_KEY, run_gateway
 from tests.batch_tier import (
     BatchTier,

@@ -17,9 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from replicas.launcher import sim_process
-from replicas.metrics import parse_samples
+from replicas.wire.prom import parse_samples
 
 pytestmark = pytest.mark.vllm
 
@@ -98,20 +99,14 @@ class Script:
         return self.client.post(path, json=body)
 
     def families(self) -> dict[str, tuple[str, frozenset[str]]]:
-        text = self.client.get("/metrics").text
-        types = {}
-        for line in text.splitlines():
-            if line.startswith("# TYPE "):
-                _, _, name, kind = line.split(" ", 3)
-                types[name] = kind
-        labels: dict[str, set[str]] = {}
-        for s in parse_samples(text):
-            fam = s.name
-            for suffix in ("_bucket", "_count", "_sum"):
-                if fam.endswith(suffix) and fam[: -len(suffix)] in types:
-                    fam = fam[: -len(suffix)]
-            labels.setdefault(fam, set()).update(k for k in s.labels if k != "le")
-        return {name: (kind, frozenset(labels.get(name, ()))) for name, kind in types.items()}
+        """Each family as its ``# TYPE`` line names it (counters with ``_total``), with its type
+        and label names (``le`` aside)."""
+        out: dict[str, tuple[str, set[str]]] = {}
+        for family in text_string_to_metric_families(self.client.get("/metrics").text):
+            name = family.name + "_total" if family.type == "counter" else family.name
+            _, labels = out.setdefault(name, (family.type, set()))
+            labels.update(k for s in family.samples for k in s.labels if k != "le")
+        return {name: (kind, frozenset(labels)) for name, (kind, labels) in out.items()}
 
     def counter(self, name: str) -> float:
         text = self.client.get("/metrics").text

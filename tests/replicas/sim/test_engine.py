@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from replicas.metrics import parse_load_snapshot, parse_samples
-from replicas.sim.engine import SimEngine, _Hist
+from replicas.metrics import parse_load_snapshot
+from replicas.sim.engine import SimEngine
 from replicas.sim.request import Request
+from replicas.wire.prom import parse_samples
 
 
 def run_to_end(e: SimEngine, t: float = 0.0) -> float:
@@ -123,20 +124,6 @@ def test_aborted_requests_free_their_blocks_and_are_not_counted_as_finished() ->
     assert e.abort_request("a") is not None and e.abort_request("a") is None
     snap = e.snapshot()
     assert snap.kv_cache_usage == 0 and snap.num_running == 0 and snap.requests_finished == 0
-
-
-@pytest.mark.parametrize(
-    ("first", "step", "k", "w"), [(0.004, 0.0, 10, 3), (0.009, 0.0004, 50, 7), (0.3, 0.1, 40, 2)]
-)
-def test_histogram_arithmetic_runs_equal_single_observations(
-    first: float, step: float, k: int, w: int
-) -> None:
-    bulk, single = _Hist((0.01, 0.025, 0.05, 1.0, 2.5)), _Hist((0.01, 0.025, 0.05, 1.0, 2.5))
-    bulk.observe_arithmetic(first, step, k, w)
-    for j in range(k):
-        single.observe(first + step * j, w)
-    assert bulk.counts == single.counts and bulk.count == single.count
-    assert math.isclose(bulk.sum, single.sum, rel_tol=1e-9)
 
 
 def test_steady_runs_in_closed_form_match_stepping() -> None:

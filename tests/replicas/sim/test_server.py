@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from replicas.metrics import parse_load_snapshot, parse_samples
+from replicas.metrics import parse_load_snapshot
+from replicas.wire.prom import parse_samples
 from tests.replicas.sim.conftest import RunningSim
 
 pytestmark = pytest.mark.anyio
