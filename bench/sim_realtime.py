@@ -19,6 +19,7 @@ import aiohttp
 
 from replicas.launcher import sim_process
 from replicas.wire.prom import parse_samples
+from replicas.wire.sse import SSEDecoder
 
 __all__ = ["realtime_check"]
 
@@ -35,8 +36,9 @@ async def _client(url: str, body: bytes, stop_at: float, stats: dict[str, Any]) 
                     await resp.read()
                     await asyncio.sleep(0.1)
                     continue
+                decoder = SSEDecoder()
                 async for piece in resp.content.iter_any():
-                    n = piece.count(b"data: ")
+                    n = len(decoder.feed(piece))
                     if n:
                         now = time.perf_counter()
                         if first is None:

@@ -23,9 +23,12 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 
 from replicas.metrics import LoadSnapshot
 from replicas.sim.block_pool import BlockPool
@@ -33,7 +36,7 @@ from replicas.sim.kv_cache_manager import KVCacheManager
 from replicas.sim.presets import Preset, get_preset
 from replicas.sim.request import Request, RequestStatus
 from replicas.sim.scheduler import Policy, Scheduler, SchedulerConfig, SchedulerOutput
-from replicas.wire.prom import Histogram
+from replicas.wire.prom import Histogram, counter_family, gauge_family, histogram_family
 
 __all__ = ["EngineConfig", "LoRAAdapter", "SimEngine", "StepOutput"]
 
@@ -243,6 +246,9 @@ class SimEngine:
         self._next_lora_id = 1
         self._lora_info: OrderedDict[tuple[str, str], float] = OrderedDict()
         self.created = self.wall_clock()
+        # The engine's own registry (``render_metrics``); the server adds it to its page's.
+        self.metrics_registry = CollectorRegistry()
+        self.metrics_registry.register(self)
         self.num_steps = 0
         self.busy_seconds = 0.0
         # Requests refused by an admission limit of the server (vllm:admission_rejections).
@@ -530,30 +536,43 @@ class SimEngine:
 
     def render_metrics(self) -> str:
         """The engine's part of a vLLM ``/metrics`` page (Prometheus text format)."""
+        return generate_latest(self.metrics_registry).decode()
+
+    def collect(self) -> Iterator[Metric]:
+        """vLLM's metric families for this engine (a ``prometheus_client`` collector): the
+        families, types, labels and HELP texts of vLLM 0.33, with their ``_created`` series."""
         cfg = self.config
         base = {"engine": str(cfg.engine_index), "model_name": cfg.served_model_name}
         m = self.counters
         sched = self.scheduler
         stats = sched.prefix_cache_stats
-        w = _Writer(self.created)
-        w.gauge(
+        created = self.created
+
+        def one(value: float) -> list[tuple[dict[str, str], float]]:
+            return [(base, value)]
+
+        def counter(name: str, doc: str, series: list[tuple[dict[str, str], float]]) -> Metric:
+            return counter_family(name, doc, series, created=created)
+
+        def hist(name: str, doc: str, h: Histogram) -> Metric:
+            return histogram_family(name, doc, [(base, h)], created=created)
+
+        yield gauge_family(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
-            base,
-            len(sched.running),
+            one(len(sched.running)),
         )
-        w.gauge(
+        yield gauge_family(
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
-            base,
-            len(sched.waiting),
+            one(len(sched.waiting)),
         )
         deferred = (
             sum(1 for r in sched.waiting.unordered() if r.lora_id in sched.skipped_lora_ids)
             if sched.skipped_lora_ids
             else 0
         )
-        w.gauge_multi(
+        yield gauge_family(
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
             "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
@@ -563,7 +582,7 @@ class SimEngine:
                 ({**base, "reason": "deferred"}, deferred),
             ],
         )
-        w.gauge_multi(
+        yield gauge_family(
             "vllm:engine_sleep_state",
             "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
             "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
@@ -573,62 +592,59 @@ class SimEngine:
                 ({**base, "sleep_state": "discard_all"}, 0),
             ],
         )
-        w.gauge(
+        yield gauge_family(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
-            base,
-            self.block_pool.get_usage(),
+            one(self.block_pool.get_usage()),
         )
-        w.counter(
+        yield counter(
             "vllm:estimated_flops_per_gpu",
             "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).",
-            [(base, m.flops)],
+            one(m.flops),
         )
-        w.counter(
+        yield counter(
             "vllm:estimated_read_bytes_per_gpu",
             "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations).",
-            [(base, m.read_bytes)],
+            one(m.read_bytes),
         )
-        w.counter(
+        yield counter(
             "vllm:estimated_write_bytes_per_gpu",
             "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations).",
-            [(base, m.write_bytes)],
+            one(m.write_bytes),
         )
-        w.counter(
+        yield counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
-            [(base, stats.queries)],
+            one(stats.queries),
         )
-        w.counter(
+        yield counter(
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
-            [(base, stats.hits)],
+            one(stats.hits),
         )
-        w.counter(
+        yield counter(
             "vllm:external_prefix_cache_queries",
             "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
-            [(base, 0)],
+            one(0),
         )
-        w.counter(
+        yield counter(
             "vllm:external_prefix_cache_hits",
             "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
-            [(base, 0)],
+            one(0),
         )
-        w.counter(
-            "vllm:mm_cache_queries",
-            "Multi-modal cache queries, in terms of number of queried items.",
-            [(base, 0)],
+        yield counter(
+            "vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.", one(0)
         )
-        w.counter(
-            "vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.", [(base, 0)]
+        yield counter(
+            "vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.", one(0)
         )
-        w.counter(
+        yield counter(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
-            [(base, sched.num_preemptions)],
+            one(sched.num_preemptions),
         )
-        w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", [(base, m.prompt_tokens)])
-        w.counter(
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", one(m.prompt_tokens))
+        yield counter(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
             [
@@ -637,12 +653,12 @@ class SimEngine:
                 ({**base, "source": "external_kv_transfer"}, 0),
             ],
         )
-        w.counter(
+        yield counter(
             "vllm:prompt_tokens_cached",
             "Number of cached prompt tokens (local + external).",
-            [(base, m.prompt_tokens_local_cache_hit)],
+            one(m.prompt_tokens_local_cache_hit),
         )
-        w.counter(
+        yield counter(
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host "
             "(offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
@@ -653,15 +669,15 @@ class SimEngine:
                 for s in ("device", "host", "p2p", "disk", "external_unspecified")
             ],
         )
-        w.counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", [(base, m.generation_tokens)]
+        yield counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", one(m.generation_tokens)
         )
-        w.counter(
+        yield counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             [({**base, "finished_reason": r}, m.request_success[r]) for r in FINISH_REASONS],
         )
-        w.counter(
+        yield counter(
             "vllm:admission_rejections",
             "Number of admission attempts rejected by a queue limit, by reason.",
             [
@@ -669,100 +685,75 @@ class SimEngine:
                 for r in ("max_num_queued_reqs", "max_num_queued_tokens")
             ],
         )
-        w.hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", base, m.prompt_len)
-        w.hist("vllm:request_generation_tokens", "Number of generation tokens processed.", base, m.gen_len)
-        w.hist(
+        yield hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", m.prompt_len)
+        yield hist("vllm:request_generation_tokens", "Number of generation tokens processed.", m.gen_len)
+        yield hist(
             "vllm:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
-            base,
             m.iteration_tokens,
         )
-        w.hist(
+        yield hist(
             "vllm:request_max_num_generation_tokens",
             "Histogram of maximum number of requested generation tokens.",
-            base,
             m.max_gen,
         )
-        w.hist("vllm:request_params_n", "Histogram of the n request parameter.", base, m.params_n)
-        w.hist(
+        yield hist("vllm:request_params_n", "Histogram of the n request parameter.", m.params_n)
+        yield hist(
             "vllm:request_params_max_tokens",
             "Histogram of the max_tokens request parameter.",
-            base,
             m.max_tokens_param,
         )
-        w.hist(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", base, m.ttft
-        )
-        w.hist(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", base, m.itl
-        )
-        w.hist(
+        yield hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft)
+        yield hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl)
+        yield hist(
             "vllm:request_time_per_output_token_seconds",
             "Histogram of time_per_output_token_seconds per request.",
-            base,
             m.tpot,
         )
-        w.hist(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", base, m.e2e
-        )
-        w.hist(
+        yield hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m.e2e)
+        yield hist(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
-            base,
             m.queue,
         )
-        w.hist(
+        yield hist(
             "vllm:request_inference_time_seconds",
             "Histogram of time spent in RUNNING phase for request.",
-            base,
             m.inference,
         )
-        w.hist(
+        yield hist(
             "vllm:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase for request.",
-            base,
             m.prefill,
         )
-        w.hist(
+        yield hist(
             "vllm:request_decode_time_seconds",
             "Histogram of time spent in DECODE phase for request.",
-            base,
             m.decode,
         )
-        w.hist(
+        yield hist(
             "vllm:request_num_preemptions",
             "Histogram of the number of times a request was preempted.",
-            base,
             m.num_preemptions_hist,
         )
-        w.hist(
+        yield hist(
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-            base,
             m.prefill_kv_computed,
         )
         if cfg.max_loras > 0:
-            w.info_gauge(
+            # A gauge, not an info family: its value is when the adapter set was last current.
+            lora = GaugeMetricFamily(
                 "vllm:lora_requests_info",
                 "Running stats on lora requests.",
-                [
-                    (
-                        {
-                            "max_lora": str(cfg.max_loras),
-                            "running_lora_adapters": run,
-                            "waiting_lora_adapters": wait,
-                        },
-                        ts,
-                    )
-                    for (run, wait), ts in self._lora_info.items()
-                ],
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
             )
-        w.info_gauge(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            [(self._cache_config_labels(), 1.0)],
-        )
-        return w.text()
+            for (run, wait), ts in self._lora_info.items():
+                lora.add_metric([str(cfg.max_loras), run, wait], ts)
+            yield lora
+        info = InfoMetricFamily("vllm:cache_config", "Information of the LLMEngine CacheConfig")
+        info.add_metric([], self._cache_config_labels())
+        yield info
 
     def _cache_config_labels(self) -> dict[str, str]:
         cfg = self.config
@@ -808,75 +799,3 @@ class SimEngine:
             "use_replayssm": "False",
             "user_specified_block_size": "False",
         }
-
-
-def _go_float(d: float) -> str:
-    """Format a sample value exactly as prometheus_client does (Go's float formatting)."""
-    d = float(d)
-    if d == math.inf:
-        return "+Inf"
-    if d == -math.inf:
-        return "-Inf"
-    if math.isnan(d):
-        return "NaN"
-    s = repr(d)
-    dot = s.find(".")
-    # Go switches to exponents sooner than Python (only matters for large positive values).
-    if d > 0 and dot > 6:
-        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.")
-        return f"{mantissa}e+0{dot - 1}"
-    return s
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(
-        f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + "n").replace(chr(34), chr(92) + chr(34))}"'
-        for k, v in sorted(labels.items())
-    )
-    return "{" + inner + "}"
-
-
-class _Writer:
-    """Prometheus text exposition, laid out as prometheus_client lays out vLLM's families."""
-
-    def __init__(self, created: float) -> None:
-        self.lines: list[str] = []
-        self.created = _go_float(created)
-
-    def _head(self, name: str, doc: str, kind: str) -> None:
-        self.lines.append(f"# HELP {name} {doc}")
-        self.lines.append(f"# TYPE {name} {kind}")
-
-    def gauge(self, name: str, doc: str, labels: dict[str, str], value: float) -> None:
-        self.gauge_multi(name, doc, [(labels, value)])
-
-    def gauge_multi(self, name: str, doc: str, samples: Iterable[tuple[dict[str, str], float]]) -> None:
-        self._head(name, doc, "gauge")
-        for labels, v in samples:
-            self.lines.append(f"{name}{_labels(labels)} {_go_float(v)}")
-
-    info_gauge = gauge_multi
-
-    def counter(self, name: str, doc: str, samples: Sequence[tuple[dict[str, str], float]]) -> None:
-        self._head(name + "_total", doc, "counter")
-        for labels, v in samples:
-            self.lines.append(f"{name}_total{_labels(labels)} {_go_float(v)}")
-        self._head(name + "_created", doc, "gauge")
-        for labels, _ in samples:
-            self.lines.append(f"{name}_created{_labels(labels)} {self.created}")
-
-    def hist(self, name: str, doc: str, labels: dict[str, str], h: Histogram) -> None:
-        self._head(name, doc, "histogram")
-        cum = 0.0
-        for b, c in zip((*h.bounds, math.inf), h.counts, strict=True):
-            cum += c
-            self.lines.append(f"{name}_bucket{_labels({**labels, 'le': _go_float(b)})} {_go_float(cum)}")
-        self.lines.append(f"{name}_count{_labels(labels)} {_go_float(h.count)}")
-        self.lines.append(f"{name}_sum{_labels(labels)} {_go_float(h.sum)}")
-        self._head(name + "_created", doc, "gauge")
-        self.lines.append(f"{name}_created{_labels(labels)} {self.created}")
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"

@@ -29,15 +29,24 @@ import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import Metric
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from replicas.sim.engine import SimEngine, StepOutput, _go_float, _labels
+from replicas.sim.engine import SimEngine, StepOutput
 from replicas.sim.request import Request, RequestStatus
 from replicas.sim.tokenizer import AnswerKey, SimTokenizer, TextModel, load_tokenizer, stable_hash
+from replicas.wire.prom import Histogram, counter_family, gauge_family, histogram_family, summary_family
 
 __all__ = ["ServerConfig", "SimServer", "serve"]
 
@@ -327,14 +336,16 @@ _LOWR_BUCKETS = (0.1, 0.5, 1.0)
 
 
 class _HTTPMetrics:
+    """The HTTP families of vLLM's page, as prometheus_fastapi_instrumentator exposes them (a
+    ``prometheus_client`` collector)."""
+
     def __init__(self) -> None:
         self.created = time.time()
         self.requests: dict[tuple[str, str, str], int] = {}
-        self.req_size: dict[str, list[float]] = {}
-        self.resp_size: dict[str, list[float]] = {}
-        self.highr = [0] * (len(_HIGHR_BUCKETS) + 1)
-        self.highr_sum = 0.0
-        self.lowr: dict[tuple[str, str], list[float]] = {}
+        self.req_size: dict[str, list[int]] = {}  # handler: [requests, bytes]
+        self.resp_size: dict[str, list[int]] = {}
+        self.highr = Histogram(_HIGHR_BUCKETS)
+        self.lowr: dict[tuple[str, str], Histogram] = {}
 
     def observe(
         self, handler: str, method: str, status: int, req_bytes: int, resp_bytes: int, dt: float
@@ -344,33 +355,23 @@ class _HTTPMetrics:
         key = (handler, method, f"{status // 100}xx")
         self.requests[key] = self.requests.get(key, 0) + 1
         for d, n in ((self.req_size, req_bytes), (self.resp_size, resp_bytes)):
-            s = d.setdefault(handler, [0.0, 0.0])
+            s = d.setdefault(handler, [0, 0])
             s[0] += 1
             s[1] += n
-        i = next((k for k, b in enumerate(_HIGHR_BUCKETS) if dt <= b), len(_HIGHR_BUCKETS))
-        self.highr[i] += 1
-        self.highr_sum += dt
-        lo = self.lowr.setdefault((handler, method), [0.0] * (len(_LOWR_BUCKETS) + 2))
-        j = next((k for k, b in enumerate(_LOWR_BUCKETS) if dt <= b), len(_LOWR_BUCKETS))
-        lo[j] += 1
-        lo[-1] += dt
+        self.highr.observe(dt)
+        lo = self.lowr.get((handler, method))
+        if lo is None:
+            lo = self.lowr[(handler, method)] = Histogram(_LOWR_BUCKETS)
+        lo.observe(dt)
 
-    def render(self) -> str:
-        c = _go_float(self.created)
-        out = [
-            "# HELP http_requests_total Total number of requests by method, status and handler.",
-            "# TYPE http_requests_total counter",
-        ]
-        for (h, m, s), n in self.requests.items():
-            out.append(
-                f"http_requests_total{_labels({'handler': h, 'method': m, 'status': s})} {_go_float(n)}"
-            )
-        out += [
-            "# HELP http_requests_created Total number of requests by method, status and handler.",
-            "# TYPE http_requests_created gauge",
-        ]
-        for h, m, s in self.requests:
-            out.append(f"http_requests_created{_labels({'handler': h, 'method': m, 'status': s})} {c}")
+    def collect(self) -> Iterator[Metric]:
+        c = self.created
+        yield counter_family(
+            "http_requests",
+            "Total number of requests by method, status and handler.",
+            [({"handler": h, "method": m, "status": s}, n) for (h, m, s), n in self.requests.items()],
+            created=c,
+        )
         for name, what, d in (
             (
                 "http_request_size_bytes",
@@ -383,54 +384,91 @@ class _HTTPMetrics:
                 self.resp_size,
             ),
         ):
-            out += [f"# HELP {name} {what}", f"# TYPE {name} summary"]
-            for h, (cnt, total) in d.items():
-                out.append(f"{name}_count{_labels({'handler': h})} {_go_float(cnt)}")
-                out.append(f"{name}_sum{_labels({'handler': h})} {_go_float(total)}")
-            out += [f"# HELP {name}_created {what}", f"# TYPE {name}_created gauge"]
-            for h in d:
-                out.append(f"{name}_created{_labels({'handler': h})} {c}")
-        name = "http_request_duration_highr_seconds"
-        doc = "Latency with many buckets but no API specific labels. Made for more accurate percentile calculations. "
-        out += [f"# HELP {name} {doc}", f"# TYPE {name} histogram"]
-        cum = 0
-        for b, hn in zip((*_HIGHR_BUCKETS, math.inf), self.highr, strict=True):
-            cum += hn
-            out.append(f'{name}_bucket{{le="{_go_float(b)}"}} {_go_float(cum)}')
-        out += [f"{name}_count {_go_float(cum)}", f"{name}_sum {_go_float(self.highr_sum)}"]
-        out += [f"# HELP {name}_created {doc}", f"# TYPE {name}_created gauge", f"{name}_created {c}"]
-        name = "http_request_duration_seconds"
-        doc = "Latency with only few buckets by handler. Made to be only used if aggregation by handler is important. "
-        out += [f"# HELP {name} {doc}", f"# TYPE {name} histogram"]
-        for (h, m), lo in self.lowr.items():
-            cum = 0
-            for b, ln in zip((*_LOWR_BUCKETS, math.inf), lo[:-1], strict=True):
-                cum += int(ln)
-                lbl = _labels({"handler": h, "le": _go_float(b), "method": m})
-                out.append(f"{name}_bucket{lbl} {_go_float(cum)}")
-            out.append(f"{name}_count{_labels({'handler': h, 'method': m})} {_go_float(cum)}")
-            out.append(f"{name}_sum{_labels({'handler': h, 'method': m})} {_go_float(lo[-1])}")
-        out += [f"# HELP {name}_created {doc}", f"# TYPE {name}_created gauge"]
-        for h, m in self.lowr:
-            out.append(f"{name}_created{_labels({'handler': h, 'method': m})} {c}")
-        return "\n".join(out) + "\n"
+            yield summary_family(
+                name, what, [({"handler": h}, n, total) for h, (n, total) in d.items()], created=c
+            )
+        yield histogram_family(
+            "http_request_duration_highr_seconds",
+            "Latency with many buckets but no API specific labels. Made for more accurate percentile calculations. ",
+            [({}, self.highr)],
+            created=c,
+        )
+        yield histogram_family(
+            "http_request_duration_seconds",
+            "Latency with only few buckets by handler. Made to be only used if aggregation by handler is important. ",
+            [({"handler": h, "method": m}, lo) for (h, m), lo in self.lowr.items()],
+            created=c,
+        )
 
 
-def _process_metrics() -> str:
-    # The default collectors vLLM's page has (python_gc_*, python_info, process_*).
-    from prometheus_client import (
-        CollectorRegistry,
-        GCCollector,
-        PlatformCollector,
-        ProcessCollector,
-        generate_latest,
-    )
+class _SimMetrics:
+    """The simulator's own families (not vLLM's): how well the real-time loop keeps time, and
+    requests per kind of work (batch or interactive, from the request id). A collector."""
 
+    def __init__(self, server: SimServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        srv = self.server
+        model = {"model_name": srv.served_names[0]}
+        sched = srv.engine.scheduler
+        running = dict.fromkeys(REQUEST_KINDS, 0)
+        waiting = dict.fromkeys(REQUEST_KINDS, 0)
+        for r in sched.running:
+            running[_kind(r.request_id)] += 1
+        for r in sched.waiting:
+            waiting[_kind(r.request_id)] += 1
+
+        def by_kind(values: Mapping[str, float]) -> list[tuple[dict[str, str], float]]:
+            return [({**model, "kind": k}, values[k]) for k in REQUEST_KINDS]
+
+        yield counter_family(
+            "tidal_sim_steps", "Engine steps run by the simulated replica.", [(model, srv.steps)]
+        )
+        yield counter_family(
+            "tidal_sim_step_model_seconds",
+            "Step time the cost model asked for (model seconds).",
+            [(model, srv.model_step_seconds)],
+        )
+        yield counter_family(
+            "tidal_sim_step_actual_seconds",
+            "Step time actually taken (model seconds).",
+            [(model, srv.wall_step_seconds)],
+        )
+        yield counter_family(
+            "tidal_sim_step_lateness_seconds",
+            "How late steps ended after their deadline (model seconds).",
+            [(model, srv.lateness_seconds)],
+        )
+        yield counter_family(
+            "tidal_sim_requests",
+            "Requests received, by kind (batch: X-Request-Id batch-*).",
+            by_kind(srv.arrivals),
+        )
+        yield gauge_family(
+            "tidal_sim_last_arrival_timestamp_seconds",
+            "Unix time of the last request of each kind.",
+            by_kind(srv.last_arrival),
+        )
+        yield gauge_family(
+            "tidal_sim_requests_running", "Requests in the running batch, by kind.", by_kind(running)
+        )
+        yield gauge_family(
+            "tidal_sim_requests_waiting", "Requests waiting to be scheduled, by kind.", by_kind(waiting)
+        )
+
+
+def _page_registry(server: SimServer) -> CollectorRegistry:
+    """What ``/metrics`` shows, in vLLM's order: the default collectors (python_gc_*,
+    python_info, process_*), the HTTP families, the engine's, then the simulator's own."""
     reg = CollectorRegistry()
     GCCollector(registry=reg)
     PlatformCollector(registry=reg)
     ProcessCollector(registry=reg)
-    return generate_latest(reg).decode()
+    reg.register(server.http_metrics)
+    reg.register(server.engine.metrics_registry)
+    reg.register(_SimMetrics(server))
+    return reg
 
 
 # -- the server --------------------------------------------------------------------------------
@@ -482,6 +520,7 @@ class SimServer:
         self.max_model_len = self.engine.config.max_model_len
         self.embedding = self.engine.preset.is_embedding
         self.http_metrics = _HTTPMetrics()
+        self.metrics_registry = _page_registry(self)
         self._rng = random.Random(cfg.seed)
         self._t0 = time.perf_counter()
         self._wake: asyncio.Event | None = None
@@ -827,67 +866,11 @@ class SimServer:
         return await _respond(call.send, 200, json.dumps({"version": SIM_VERSION}).encode(), _JSON)
 
     async def _metrics(self, call: _Call) -> tuple[int, int]:
-        text = (
-            _process_metrics()
-            + self.http_metrics.render()
-            + self.engine.render_metrics()
-            + self._sim_metrics()
-        )
         return await _respond(
-            call.send, 200, text.encode(), [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
-        )
-
-    def _sim_metrics(self) -> str:
-        # The simulator's own families (not vLLM's): how well the real-time loop keeps time, and
-        # requests per kind of work (batch or interactive, from the request id).
-        lbl = _labels({"model_name": self.served_names[0]})
-        sched = self.engine.scheduler
-        running = dict.fromkeys(REQUEST_KINDS, 0)
-        waiting = dict.fromkeys(REQUEST_KINDS, 0)
-        for r in sched.running:
-            running[_kind(r.request_id)] += 1
-        for r in sched.waiting:
-            waiting[_kind(r.request_id)] += 1
-        kinds = "".join(
-            f"tidal_sim_requests_total{_labels({'model_name': self.served_names[0], 'kind': k})} {self.arrivals[k]}\n"
-            for k in REQUEST_KINDS
-        )
-        kinds += (
-            "# HELP tidal_sim_last_arrival_timestamp_seconds Unix time of the last request of each kind.\n"
-        )
-        kinds += "# TYPE tidal_sim_last_arrival_timestamp_seconds gauge\n"
-        kinds += "".join(
-            f"tidal_sim_last_arrival_timestamp_seconds{_labels({'model_name': self.served_names[0], 'kind': k})} "
-            f"{self.last_arrival[k]!r}\n"
-            for k in REQUEST_KINDS
-        )
-        kinds += "# HELP tidal_sim_requests_running Requests in the running batch, by kind.\n"
-        kinds += "# TYPE tidal_sim_requests_running gauge\n"
-        kinds += "".join(
-            f"tidal_sim_requests_running{_labels({'model_name': self.served_names[0], 'kind': k})} {running[k]}\n"
-            for k in REQUEST_KINDS
-        )
-        kinds += "# HELP tidal_sim_requests_waiting Requests waiting to be scheduled, by kind.\n"
-        kinds += "# TYPE tidal_sim_requests_waiting gauge\n"
-        kinds += "".join(
-            f"tidal_sim_requests_waiting{_labels({'model_name': self.served_names[0], 'kind': k})} {waiting[k]}\n"
-            for k in REQUEST_KINDS
-        )
-        return (
-            "# HELP tidal_sim_steps_total Engine steps run by the simulated replica.\n"
-            "# TYPE tidal_sim_steps_total counter\n"
-            f"tidal_sim_steps_total{lbl} {self.steps}\n"
-            "# HELP tidal_sim_step_model_seconds_total Step time the cost model asked for (model seconds).\n"
-            "# TYPE tidal_sim_step_model_seconds_total counter\n"
-            f"tidal_sim_step_model_seconds_total{lbl} {self.model_step_seconds!r}\n"
-            "# HELP tidal_sim_step_actual_seconds_total Step time actually taken (model seconds).\n"
-            "# TYPE tidal_sim_step_actual_seconds_total counter\n"
-            f"tidal_sim_step_actual_seconds_total{lbl} {self.wall_step_seconds!r}\n"
-            "# HELP tidal_sim_step_lateness_seconds_total How late steps ended after their deadline (model seconds).\n"
-            "# TYPE tidal_sim_step_lateness_seconds_total counter\n"
-            f"tidal_sim_step_lateness_seconds_total{lbl} {self.lateness_seconds!r}\n"
-            "# HELP tidal_sim_requests_total Requests received, by kind (batch: X-Request-Id batch-*).\n"
-            "# TYPE tidal_sim_requests_total counter\n" + kinds
+            call.send,
+            200,
+            generate_latest(self.metrics_registry),
+            [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
         )
 
     async def _models(self, call: _Call) -> tuple[int, int]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from replicas.metrics import parse_load_snapshot
+from replicas.sim.engine import SimEngine
 from replicas.wire.prom import PromParseError
 
 V033 = """\
@@ -151,6 +153,33 @@ def test_data_parallel_histograms_add_bucket_by_bucket() -> None:
     ttft = parse_load_snapshot(TWO_ENGINES).ttft
     assert ttft is not None
     assert ttft.buckets == ((0.1, 4.0), (math.inf, 5.0)) and ttft.sum == pytest.approx(0.75)
+
+
+def test_a_two_engine_simulated_replica_reads_as_its_engines_together() -> None:
+    engines = [
+        SimEngine("llama-3.1-8b-h100", engine_index=i, num_gpu_blocks=200, max_model_len=2048) for i in (0, 1)
+    ]
+    for i, e in enumerate(engines):
+        for j in range(3 + i):
+            e.add_request(
+                e.make_request(f"r{j}", prompt_token_ids=[i] * 800 + [j] * 40, max_tokens=8), now=0.0
+            )
+        t = 0.0
+        for _ in range(2 + i):
+            out = e.begin_step(t)
+            assert out is not None
+            t += out.duration
+            e.end_step(out, t)
+    registry = CollectorRegistry()
+    for e in engines:
+        registry.register(e)
+    snap = parse_load_snapshot(generate_latest(registry).decode())
+    parts = [e.snapshot() for e in engines]
+    assert snap.kv_cache_usage == pytest.approx(sum(p.kv_cache_usage for p in parts) / 2)
+    assert 0 < snap.kv_cache_usage <= 1
+    assert snap.num_running + snap.num_waiting == sum(p.num_running + p.num_waiting for p in parts) == 7
+    assert snap.num_gpu_blocks == 400
+    assert snap.ttft is not None and snap.ttft.count == sum(p.ttft.count for p in parts if p.ttft)
 
 
 def test_a_malformed_page_raises_what_the_scraper_catches() -> None:
