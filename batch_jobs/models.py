@@ -67,7 +67,8 @@ class FileBase(SQLModel):
 
 
 class FileRecord(FileBase, table=True):
-    """Database model: the bytes live on disk under ``files_dir``; ``path`` is relative to it."""
+    """Database model: the bytes live in the file store (``TIDAL_FILES_URL``, else ``files_dir``);
+    ``path`` is the store's reference to them."""
 
     __tablename__ = "tidal_files"
 

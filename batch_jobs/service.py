@@ -14,15 +14,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterable, Set
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from sqlalchemy import insert, text
 from sqlmodel import Session, col, func, select
 
 from batch_jobs.dispatch import ChunkPublisher, publish_pending
 from batch_jobs.errors import Conflict, Forbidden, InvalidRequest, LimitExceeded, NotFound, TooLarge
-from batch_jobs.files import FileStore, FileTooLarge, new_id, safe_filename
+from batch_jobs.files import (
+    FileStore,
+    FileTooLarge,
+    Readable,
+    StoredFile,
+    file_store_from_settings,
+    new_id,
+    safe_filename,
+)
 from batch_jobs.models import (
     BATCH_ACTIVE,
     BATCH_TERMINAL,
@@ -83,7 +90,7 @@ class BatchService:
         cls, fleet: FleetConfig, settings: Settings, *, publisher: ChunkPublisher | None = None
     ) -> BatchService:
         store = Store.from_url(settings.resolved_database_url)
-        files = FileStore(settings.resolved_files_dir, max_bytes=settings.max_file_bytes)
+        files = file_store_from_settings(settings)
         return cls(store=store, files=files, fleet=fleet, settings=settings, publisher=publisher)
 
     def served_models(self, tenant: str) -> set[str]:
@@ -174,8 +181,9 @@ class BatchService:
             raise NotFound(f"No such file: {file_id[:64]!r}", param=param)
         return f
 
-    def file_path(self, tenant: str, file_id: str) -> Path:
-        return self.files.path(self.get_file(tenant, file_id).path)
+    def open_file(self, tenant: str, file_id: str) -> BinaryIO:
+        """A tenant's file for a streaming read (close it after)."""
+        return self.files.open(self.get_file(tenant, file_id).path)
 
     def list_files(
         self,
@@ -292,10 +300,10 @@ class BatchService:
             expires_at=expires_at,
             metadata_json=json.dumps(params.metadata) if params.metadata else None,
         )
-        path = self.files.path(f.path)
+        source = StoredFile(self.files, f.path)
         served = self.served_models(tenant)
         report = validate_batch_file(
-            path, endpoint=params.endpoint, models=served, max_lines=self.settings.max_batch_lines
+            source, endpoint=params.endpoint, models=served, max_lines=self.settings.max_batch_lines
         )
         if report.error_count:
             batch.status = "failed"
@@ -311,7 +319,7 @@ class BatchService:
         with self.store.session() as s:
             s.add(batch)
             s.flush()
-            total = self._insert_lines(s, batch, path)
+            total = self._insert_lines(s, batch, source)
             batch.total = total
             batch.status = "in_progress"
             batch.in_progress_at = now
@@ -320,12 +328,14 @@ class BatchService:
             publish_pending(self.store, self.publisher, batch_id=batch.id)
         return batch
 
-    def _insert_lines(self, s: Session, batch: BatchRecord, path: Path) -> int:
+    def _insert_lines(self, s: Session, batch: BatchRecord, source: Readable) -> int:
         size = self.settings.chunk_lines
         conn = s.connection()
         page: list[dict[str, Any]] = []
         n = 0
-        for line in iter_valid_lines(path, endpoint=batch.endpoint, models=self.served_models(batch.tenant)):
+        for line in iter_valid_lines(
+            source, endpoint=batch.endpoint, models=self.served_models(batch.tenant)
+        ):
             page.append(
                 {
                     "batch_id": batch.id,

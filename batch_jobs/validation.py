@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from batch_jobs.files import Readable
 from batch_jobs.models import BatchErrorItem
 
 __all__ = [
@@ -68,8 +68,8 @@ class ValidationReport:
         return out
 
 
-def _raw_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    with path.open("rb") as f:
+def _raw_lines(source: Readable) -> Iterator[tuple[int, bytes]]:
+    with source.open("rb") as f:
         yield from enumerate(f, start=1)
 
 
@@ -127,11 +127,13 @@ def _check(
     return ParsedLine(no, cid, body)
 
 
-def validate_batch_file(path: Path, *, endpoint: str, models: set[str], max_lines: int) -> ValidationReport:
+def validate_batch_file(
+    source: Readable, *, endpoint: str, models: set[str], max_lines: int
+) -> ValidationReport:
     """Check every line; the report names each offending line (1-based, as in an editor)."""
     report = ValidationReport()
     seen: dict[str, int] = {}
-    for no, raw in _raw_lines(path):
+    for no, raw in _raw_lines(source):
         if not raw.strip():
             continue  # blank lines (a trailing newline) carry nothing
         report.lines += 1
@@ -156,10 +158,10 @@ def validate_batch_file(path: Path, *, endpoint: str, models: set[str], max_line
     return report
 
 
-def iter_valid_lines(path: Path, *, endpoint: str, models: set[str]) -> Iterator[ParsedLine]:
+def iter_valid_lines(source: Readable, *, endpoint: str, models: set[str]) -> Iterator[ParsedLine]:
     """The lines of a file that :func:`validate_batch_file` accepted (second pass, streaming)."""
     scratch = ValidationReport()
-    for no, raw in _raw_lines(path):
+    for no, raw in _raw_lines(source):
         if not raw.strip():
             continue
         parsed = _check(no, raw, endpoint=endpoint, models=models, report=scratch)

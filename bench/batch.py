@@ -47,7 +47,7 @@ import yaml
 from sqlalchemy import text
 
 from batch_jobs.dispatch import CeleryChunkPublisher, producer_app, publish_pending
-from batch_jobs.files import FileStore
+from batch_jobs.files import file_store_from_settings
 from batch_jobs.maintenance import BatchMaintenance
 from batch_jobs.models import BatchCreate, BatchRecord
 from batch_jobs.results import LineResult, record_results
@@ -192,7 +192,7 @@ def _tier(
     publisher = CeleryChunkPublisher.from_settings(settings)
     service = BatchService(
         store=Store.from_url(settings.resolved_database_url),
-        files=FileStore(settings.resolved_files_dir, max_bytes=settings.max_file_bytes),
+        files=file_store_from_settings(settings),
         fleet=parse_fleet(fleet),
         settings=settings,
         publisher=publisher,

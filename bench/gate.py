@@ -62,7 +62,7 @@ import yaml
 from sqlalchemy import text
 
 from batch_jobs.dispatch import CeleryChunkPublisher, producer_app
-from batch_jobs.files import FileStore
+from batch_jobs.files import file_store_from_settings
 from batch_jobs.maintenance import BatchMaintenance
 from batch_jobs.models import BatchCreate
 from batch_jobs.service import BatchService
@@ -222,7 +222,7 @@ def _processes(tmp: Path, o: _Opts) -> Iterator[_Setup]:
         stack.callback(publisher.close)
         service = BatchService(
             store=Store.from_url(settings.resolved_database_url),
-            files=FileStore(settings.resolved_files_dir, max_bytes=settings.max_file_bytes),
+            files=file_store_from_settings(settings),
             fleet=parse_fleet(fleet),
             settings=settings,
             publisher=publisher,
@@ -554,10 +554,11 @@ def _lost(
         for file_id in (b.output_file_id, b.error_file_id):
             if file_id is None:
                 continue
-            for raw in service.file_path("bench", file_id).read_text().splitlines():
-                if raw.strip():
-                    cid = str(json.loads(raw).get("custom_id"))
-                    seen[cid] = seen.get(cid, 0) + 1
+            with service.open_file("bench", file_id) as fh:
+                for raw in fh:
+                    if raw.strip():
+                        cid = str(json.loads(raw).get("custom_id"))
+                        seen[cid] = seen.get(cid, 0) + 1
         answered_once = sum(1 for i in range(n) if seen.get(f"{tag}-{i}") == 1)
         lost += n - answered_once
     return lost, statuses

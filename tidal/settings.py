@@ -37,6 +37,9 @@ class Settings(BaseSettings):
     # Store and files
     database_url: str | None = None
     files_dir: Path | None = None
+    # Where file bytes live when gateways and workers do not share a disk: a PostgreSQL URL
+    # (large objects; see batch_jobs.files_postgres). Unset: the local files_dir.
+    files_url: str | None = Field(default=None, pattern=r"^postgres(ql)?(\+[a-z0-9_]+)?://")
     max_file_bytes: int = Field(default=200 * 1024 * 1024, gt=0)
     max_batch_lines: int = Field(default=50_000, gt=0)
 

@@ -45,7 +45,7 @@ from sqlalchemy import text
 from sqlmodel import select
 
 from batch_jobs.dispatch import ChunkPublisher
-from batch_jobs.files import FileStore
+from batch_jobs.files import file_store_from_settings
 from batch_jobs.finalize import finalize_batch
 from batch_jobs.jobs import JobService
 from batch_jobs.maintenance import BatchMaintenance
@@ -177,7 +177,7 @@ class WorkerRuntime:
         self.hostname = hostname or worker_hostname(lane)
         self.topology = Topology(settings.queue_namespace)
         self.store = Store.from_url(settings.resolved_database_url)
-        self.files = FileStore(settings.resolved_files_dir, max_bytes=settings.max_file_bytes)
+        self.files = file_store_from_settings(settings)
         self.clock = WallClock()
         self.batch_service = BatchService(
             store=self.store,

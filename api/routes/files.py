@@ -9,10 +9,11 @@ Example (the official SDK, unchanged)::
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
+from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -27,6 +28,7 @@ __all__ = ["router"]
 router = APIRouter(tags=["files"])
 
 _MULTIPART_OVERHEAD = 64 * 1024  # form fields and boundaries around the file itself
+_READ_CHUNK = 1 << 20
 
 
 class _BodyTooLarge(Exception):
@@ -43,8 +45,27 @@ async def _limited(stream: AsyncIterator[bytes], limit: int) -> AsyncGenerator[b
 
 
 async def _upload_chunks(upload: UploadFile) -> AsyncIterator[bytes]:
-    while piece := await upload.read(1 << 20):
+    while piece := await upload.read(_READ_CHUNK):
         yield piece
+
+
+async def _download_chunks(reader: BinaryIO) -> AsyncIterator[bytes]:
+    # Reads block (a disk, or PostgreSQL for a shared store): each goes to a worker thread.
+    try:
+        while piece := await run_in_threadpool(reader.read, _READ_CHUNK):
+            yield piece
+    finally:
+        reader.close()  # also when the client leaves mid-download
+
+
+def _attachment(filename: str) -> str:
+    # As Starlette's FileResponse says it (display names are ASCII; see safe_filename).
+    quoted = quote(filename)
+    return (
+        f"attachment; filename*=utf-8''{quoted}"
+        if quoted != filename
+        else f'attachment; filename="{filename}"'
+    )
 
 
 @router.post("/v1/files", summary="Upload a file (multipart: file, purpose)")
@@ -117,11 +138,16 @@ async def retrieve_file(file_id: str, principal: PrincipalDep, svc: BatchDep) ->
 
 
 @router.get("/v1/files/{file_id}/content", summary="The file's bytes", response_model=None)
-async def file_content(file_id: str, principal: PrincipalDep, svc: BatchDep) -> FileResponse:
+async def file_content(file_id: str, principal: PrincipalDep, svc: BatchDep) -> StreamingResponse:
     with batch_errors():
         rec = await run_in_threadpool(svc.get_file, principal.tenant, file_id)
+    reader = await run_in_threadpool(svc.files.open, rec.path)
     media = "application/octet-stream" if rec.filename.endswith(".npy") else "application/jsonl"
-    return FileResponse(svc.files.path(rec.path), media_type=media, filename=rec.filename)
+    return StreamingResponse(
+        _download_chunks(reader),
+        media_type=media,
+        headers={"Content-Length": str(rec.bytes), "Content-Disposition": _attachment(rec.filename)},
+    )
 
 
 @router.delete("/v1/files/{file_id}", summary="Delete a file")

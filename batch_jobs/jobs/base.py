@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from batch_jobs.errors import InvalidRequest
+from batch_jobs.files import Readable
 
 __all__ = [
     "Answer",
@@ -90,7 +90,7 @@ class JobContext:
     job_id: str
     model: str
     options: Any
-    dataset: Path
+    dataset: Readable
     state: dict[str, Any]
     context_cap: int
     max_items: int
@@ -123,12 +123,12 @@ class JobKind:
 
 
 def read_dataset(
-    path: Path, *, required: tuple[str, ...], max_items: int
+    source: Readable, *, required: tuple[str, ...], max_items: int
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """JSONL objects with the required string fields; any bad line is a 400 naming the lines."""
     problems: list[str] = []
     items: list[tuple[int, dict[str, Any]]] = []
-    with path.open("rb") as f:
+    with source.open("rb") as f:
         for no, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue

@@ -22,7 +22,7 @@ from sqlalchemy import text
 from sqlmodel import col, select
 
 from batch_jobs.errors import Conflict, Forbidden, InvalidRequest, NotFound
-from batch_jobs.files import new_id
+from batch_jobs.files import StoredFile, new_id
 from batch_jobs.jobs.base import Answer, Finished, JobContext, JobKind, JobOptions, Stage
 from batch_jobs.jobs.embedding_backfill import EmbeddingBackfill
 from batch_jobs.jobs.offline_eval import OfflineEval
@@ -127,7 +127,7 @@ class JobService:
             job_id=job.id,
             model=job.model,
             options=kind.Options.model_validate_json(job.options_json),
-            dataset=self.batch.files.path(f.path),
+            dataset=StoredFile(self.batch.files, f.path),
             state=state,
             context_cap=self._context_cap(job.model),
             max_items=self.batch.settings.max_batch_lines,

@@ -1,5 +1,6 @@
 """A batch's life in the store, on SQLite and PostgreSQL: planning, idempotent results, exactly one
-finaliser, cancellation and expiry (injected clock) with partial results."""
+finaliser, cancellation and expiry (injected clock) with partial results. On SQLite the files live
+in a local directory, on PostgreSQL in its large objects (as a deployment across hosts runs)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from batch_jobs.dispatch import PublishError, publish_pending
-from batch_jobs.files import FileStore
+from batch_jobs.files import FileStore, LocalFileStore
 from batch_jobs.finalize import finalize_batch, release_stale_claims
 from batch_jobs.maintenance import BatchMaintenance
 from batch_jobs.models import BatchCreate
@@ -52,9 +53,16 @@ def svc(database_url: str, tmp_path: Path) -> Iterator[BatchService]:
     fleet = parse_fleet({"models": [{"name": "tiny"}], "pools": {"b": {"kind": "batch", "model": "tiny"}}})
     settings = Settings(_env_file=None, data_dir=tmp_path, chunk_lines=10)  # type: ignore[call-arg]
     store = Store.from_url(database_url)
+    files: FileStore
+    if database_url.startswith("postgresql"):
+        from batch_jobs.files_postgres import PostgresFileStore
+
+        files = PostgresFileStore(database_url, max_bytes=10_000_000)
+    else:
+        files = LocalFileStore(tmp_path / "files", max_bytes=10_000_000)
     service = BatchService(
         store=store,
-        files=FileStore(tmp_path / "files", max_bytes=10_000_000),
+        files=files,
         fleet=fleet,
         settings=settings,
         publisher=RecordingPublisher(),
@@ -103,7 +111,8 @@ def _sweeper(svc: BatchService) -> BatchMaintenance:
 def _file_lines(svc: BatchService, file_id: str | None) -> list[dict[str, object]]:
     if file_id is None:
         return []
-    return read_jsonl(svc.file_path("acme", file_id).read_text())
+    with svc.open_file("acme", file_id) as f:
+        return read_jsonl(f.read().decode())
 
 
 pytestmark = pytest.mark.anyio
