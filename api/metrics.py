@@ -21,18 +21,17 @@ Prometheus (``GET /metrics``):
 
 from __future__ import annotations
 
-import math
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from priority.admission import Admission, Outcome
 from priority.window import SlidingWindow
+from replicas.wire.prom import LabelledHistogram
 from router.registry import ReplicaRegistry
 from router.types import RouteResult
 from tidal.clock import Clock
@@ -42,60 +41,6 @@ __all__ = ["GatewayMetrics", "PoolWindows"]
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
 _PLUGIN = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
-
-
-class _HistogramChild:
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: list[float]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * len(bounds)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # the first bucket with value <= le
-        self.sum += value
-
-
-class _Histogram(Collector):
-    """A Prometheus histogram by label values, without ``prometheus_client``'s per-observation
-    locks: the gateway observes from its event-loop thread only, a dozen times per request (the
-    router's plugin timings), and the locked ``Histogram.observe`` cost more than the plugins it
-    timed. Exposed like ``Histogram`` (``_bucket``, ``_sum``, ``_count``), without ``_created``."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: list[str],
-        buckets: tuple[float, ...],
-        registry: CollectorRegistry,
-    ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = labelnames
-        self.bounds = [*sorted(buckets), math.inf]
-        self._children: dict[tuple[str, ...], _HistogramChild] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> _HistogramChild:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-            child = self._children[values] = _HistogramChild(self.bounds)
-        return child
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in list(self._children.items()):
-            total = 0
-            buckets = []
-            for bound, n in zip(self.bounds, child.counts, strict=True):
-                total += n
-                buckets.append(("+Inf" if bound == math.inf else repr(bound), float(total)))
-            family.add_metric(list(values), buckets, child.sum)
-        yield family
 
 
 class _Children:
@@ -173,21 +118,21 @@ class GatewayMetrics:
 
     def __post_init__(self) -> None:
         r = self.prom
-        self.ttft = _Histogram(
+        self.ttft = LabelledHistogram(
             "tidal_gateway_ttft_seconds",
             "Time to first token seen by the gateway",
             ["pool", "class"],
             _LATENCY,
             r,
         )
-        self.tpot = _Histogram(
+        self.tpot = LabelledHistogram(
             "tidal_gateway_tpot_seconds",
             "Time per output token of streamed requests",
             ["pool", "class"],
             _TPOT,
             r,
         )
-        self.queue_wait = _Histogram(
+        self.queue_wait = LabelledHistogram(
             "tidal_gateway_queue_wait_seconds",
             "Time waiting in the gateway queue",
             ["pool", "class"],
@@ -219,7 +164,7 @@ class GatewayMetrics:
         self.adapter_evictions = Counter(
             "tidal_router_adapter_evictions", "LoRA adapters unloaded to make room", ["replica"], registry=r
         )
-        self.plugin_seconds = _Histogram(
+        self.plugin_seconds = LabelledHistogram(
             "tidal_router_plugin_duration_seconds",
             "Time in each router plugin call",
             ["extension", "type", "name"],
