@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from replicas.launcher import ReplicaProcess, sim_process
-from replicas.metrics import parse_samples
+from replicas.wire.prom import parse_samples
 from tests.batch_tier import (
     BatchTier,
     chat_lines,
