@@ -83,6 +83,8 @@ _HISTOGRAMS: dict[str, tuple[str, ...]] = {  # summed bucket by bucket
     "e2e_latency": ("vllm:e2e_request_latency_seconds",),
 }
 
+_HISTOGRAM_NAMES = frozenset(n for names in _HISTOGRAMS.values() for n in names)
+
 
 def _split_adapters(v: str) -> frozenset[str]:
     return frozenset(a for a in (s.strip() for s in v.split(",")) if a)
@@ -120,7 +122,7 @@ def parse_load_snapshot(text: str) -> LoadSnapshot:
         if name.endswith("_total"):
             name = name[: -len("_total")]
         values.setdefault(name, []).append(s.value)
-    histograms = sum_histograms(samples)
+    histograms = sum_histograms(samples, _HISTOGRAM_NAMES)
 
     def first(names: tuple[str, ...]) -> list[float]:
         return next((values[n] for n in names if n in values), [])

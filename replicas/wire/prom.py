@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import re
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from functools import cache
 from itertools import accumulate
 from typing import NamedTuple
@@ -375,22 +375,23 @@ class Histogram:
         return f"Histogram(buckets={self.buckets!r}, sum={self.sum!r})"
 
 
-def sum_histograms(samples: Iterable[Sample]) -> dict[str, Histogram]:
-    """Every histogram in ``samples`` (a family with ``_bucket`` samples), its series summed
-    bucket by bucket (PromQL's ``sum by (le)``), by family name."""
+def sum_histograms(samples: Iterable[Sample], names: Collection[str] | None = None) -> dict[str, Histogram]:
+    """Every histogram in ``samples`` (a family with ``_bucket`` samples), or those in ``names``,
+    its series summed bucket by bucket (PromQL's ``sum by (le)``), by family name."""
     buckets: dict[str, dict[float, float]] = {}
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
     for name, labels, value in samples:
         if name.endswith("_bucket"):
+            family = name[:-7]
             le = labels.get("le")
-            if le is None:
+            if le is None or (names is not None and family not in names):
                 continue
             try:
                 bound = float(le)
             except ValueError:
                 continue
-            per = buckets.setdefault(name[:-7], {})
+            per = buckets.setdefault(family, {})
             per[bound] = per.get(bound, 0.0) + value
         elif name.endswith("_sum"):
             sums[name[:-4]] = sums.get(name[:-4], 0.0) + value

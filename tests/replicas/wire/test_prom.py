@@ -391,6 +391,8 @@ def test_series_sum_bucket_by_bucket() -> None:
     assert h.buckets == ((0.1, 4.0), (math.inf, 5.0)) and h.sum == pytest.approx(1.2)
     no_inf = sum_histograms(parse_samples('h_bucket{le="1.0"} 2\nh_count 3\nh_sum 9\n'))["h"]
     assert no_inf.buckets == ((1.0, 2.0), (math.inf, 3.0))  # _count stands in for +Inf
+    two = 'a_bucket{le="+Inf"} 1\nb_bucket{le="+Inf"} 2\n'
+    assert list(sum_histograms(parse_samples(two), {"b", "c"})) == ["b"]
 
 
 # -- exposition ----------------------------------------------------------------------------------
