@@ -91,6 +91,18 @@ class SchedulerMetrics:
             ["pool"],
             registry=r,
         )
+        self.capacity_rps = Gauge(
+            "tidal_autoscaler_replica_capacity_requests_per_second",
+            "Requests/s one replica serves within the SLO, as the autoscaler sizes the pool now",
+            ["pool"],
+            registry=r,
+        )
+        self.planned_capacity_rps = Gauge(
+            "tidal_autoscaler_planned_capacity_requests_per_second",
+            "One replica's capacity from the config or the plan, before online learning",
+            ["pool"],
+            registry=r,
+        )
         self.trough_spare = Gauge(
             "tidal_autoscaler_trough_spare_replicas",
             "Replicas offered to batch while the pool is in a trough",

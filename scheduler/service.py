@@ -57,14 +57,20 @@ from scheduler.autoscaler import (
     Actuator,
     Autoscaler,
     AutoscalerLoop,
+    CapacityPlan,
     EventCalendar,
     Forecaster,
     GaugeActuator,
     HourOfWeekProfile,
+    OnlineCapacity,
     PoolReplicas,
+    ReplicaCapacity,
     ScheduledEvent,
     StaticCapacity,
+    known_plan,
     make_policy,
+    plan_capacity,
+    pool_slo,
 )
 from scheduler.autoscaler.local import LocalProcessActuator, LocalTemplate
 from scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
@@ -256,10 +262,40 @@ class SchedulerService:
         self.actuators: dict[str, Actuator] = self._actuators(scaled, dict(actuators or {}))
         self.autoscaler_loop: AutoscalerLoop | None = None
         self.profiles_path = settings.data_dir / "scheduler" / "autoscaler-profiles.json"
+        self.plans_path = settings.data_dir / "scheduler" / "capacity-plans.json"
         self.profiles: dict[str, HourOfWeekProfile] = {}
+        self.capacity_plans: dict[str, CapacityPlan] = {}
+        self.static_capacity = StaticCapacity.from_fleet(fleet)
+        self.learned_capacity: OnlineCapacity | None = None
+        self._to_plan: list[PoolSpec] = []  # measured when run() starts (seconds of CPU)
+        self._profiles_mtime: int | None = None
         if scaled:
-            learned = self._load_profiles()
-            capacity = StaticCapacity.from_fleet(fleet)
+            learned, saved_capacity = self._load_profiles()
+            for p in scaled:
+                assert p.autoscale is not None
+                if p.autoscale.capacity_from != "plan":
+                    continue
+                try:
+                    plan = known_plan(fleet, p, cache_path=self.plans_path)
+                except ValueError as exc:
+                    raise SchedulerSetupError(f"pools.{p.name}.autoscale.plan: {exc}") from None
+                if plan is None:
+                    self._to_plan.append(p)
+                else:
+                    self._use_plan(plan)
+            capacity: ReplicaCapacity = self.static_capacity
+            learning = {
+                p.name: pool_slo(fleet, p.autoscale)
+                for p in scaled
+                if p.autoscale is not None and p.autoscale.learn_capacity
+            }
+            if learning:
+                self.learned_capacity = OnlineCapacity(self.static_capacity, learning, learned=saved_capacity)
+                capacity = self.learned_capacity
+            for p in scaled:
+                assert p.autoscale is not None
+                if p.autoscale.capacity_from == "static":
+                    self.metrics.planned_capacity_rps.labels(p.name).set(p.autoscale.capacity_rps_per_replica)
             scalers = []
             for p in scaled:
                 assert p.autoscale is not None
@@ -420,34 +456,96 @@ class SchedulerService:
     def _lent_to_batch(self, pool: str) -> bool:
         return any(g.pool == pool and g.state is GateState.OPEN for g in self.gates)
 
-    def _load_profiles(self) -> dict[str, HourOfWeekProfile]:
+    def _use_plan(self, plan: CapacityPlan) -> None:
+        self.capacity_plans[plan.pool] = plan
+        self.static_capacity.set(plan.pool, plan.rps)
+        self.metrics.planned_capacity_rps.labels(plan.pool).set(plan.rps)
+        log.info(
+            "autoscaler %s: planned capacity %.2f rps per replica (%s%s)",
+            plan.pool,
+            plan.rps,
+            plan.source,
+            ", cached" if plan.cached else "",
+        )
+
+    async def _plan(self) -> None:
+        """Measure the capacities no plan file or cache had (in a thread: it is seconds of CPU)."""
+        for p in self._to_plan:
+            log.info("autoscaler %s: measuring the capacity of one replica on the simulated replica", p.name)
+            self._use_plan(await asyncio.to_thread(plan_capacity, self.fleet, p, cache_path=self.plans_path))
+        self._to_plan = []
+
+    async def _autoscale(self, stop: asyncio.Event) -> None:
+        assert self.autoscaler_loop is not None
+        await self._plan()  # until then the pools keep their size
+        await self.autoscaler_loop.run(stop)
+
+    def _read_profiles_file(self) -> tuple[dict[str, HourOfWeekProfile], dict[str, float]]:
+        path = self.profiles_path
+        if path.stat().st_size > _MAX_PROFILES_BYTES:
+            raise ValueError(f"larger than {_MAX_PROFILES_BYTES} bytes")
+        self._profiles_mtime = path.stat().st_mtime_ns
+        data = json.loads(path.read_text())
+        pools = data["pools"]
+        if not isinstance(pools, dict):
+            raise ValueError("'pools' must be an object")
+        capacity = data.get("capacity") or {}
+        if not isinstance(capacity, dict):
+            raise ValueError("'capacity' must be an object")
+        learned = {
+            str(k): float(v)
+            for k, v in capacity.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+        }
+        return {str(k): HourOfWeekProfile.from_json(v) for k, v in pools.items()}, learned
+
+    def _load_profiles(self) -> tuple[dict[str, HourOfWeekProfile], dict[str, float]]:
         path = self.profiles_path
         try:
             if not path.exists():
-                return {}
-            if path.stat().st_size > _MAX_PROFILES_BYTES:
-                raise ValueError(f"larger than {_MAX_PROFILES_BYTES} bytes")
-            data = json.loads(path.read_text())
-            pools = data["pools"]
-            if not isinstance(pools, dict):
-                raise ValueError("'pools' must be an object")
-            profiles = {str(k): HourOfWeekProfile.from_json(v) for k, v in pools.items()}
+                return {}, {}
+            profiles, capacity = self._read_profiles_file()
         except Exception as exc:  # a damaged file costs the history, never the start
             log.warning("autoscaler: ignoring the saved profiles in %s: %s", path, exc)
-            return {}
+            return {}, {}
         log.info(
             "autoscaler: read the learned load profiles of %s from %s", ", ".join(sorted(profiles)), path
         )
-        return profiles
+        return profiles, capacity
+
+    def _pick_up_imports(self) -> None:
+        """A profile written since the last save (``tidal autoscale import-profile`` while this
+        scheduler runs) replaces what the pool learned, instead of being overwritten."""
+        path = self.profiles_path
+        try:
+            if self._profiles_mtime is None or path.stat().st_mtime_ns == self._profiles_mtime:
+                return
+            profiles, _ = self._read_profiles_file()
+        except FileNotFoundError:
+            return
+        except Exception as exc:
+            log.warning("autoscaler: ignoring the changed profiles in %s: %s", path, exc)
+            return
+        scalers = {s.pool: s for s in self.autoscaler_loop.scalers} if self.autoscaler_loop else {}
+        for pool, profile in profiles.items():
+            if pool in scalers:
+                self.profiles[pool] = profile
+                scalers[pool].forecaster.profile = profile
+                log.info("autoscaler %s: using the load profile written to %s", pool, path)
 
     def save_profiles(self) -> None:
         """Write what the autoscalers learned (atomically: a crash mid-write keeps the old file)."""
         if not self.profiles:
             return
+        self._pick_up_imports()
+        data: dict[str, Any] = {"pools": {k: v.to_json() for k, v in self.profiles.items()}}
+        if self.learned_capacity is not None:
+            data["capacity"] = self.learned_capacity.learned()
         self.profiles_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.profiles_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pools": {k: v.to_json() for k, v in self.profiles.items()}}))
+        tmp.write_text(json.dumps(data))
         os.replace(tmp, self.profiles_path)
+        self._profiles_mtime = self.profiles_path.stat().st_mtime_ns
 
     async def _save_profiles_every(self, period_s: float) -> None:
         while True:
@@ -479,7 +577,7 @@ class SchedulerService:
         if self.actuators:
             lines.append(
                 "autoscaler: "
-                + ", ".join(f"{pool} ({a.name} actuator)" for pool, a in sorted(self.actuators.items()))
+                + "; ".join(self._describe_pool(pool, a) for pool, a in sorted(self.actuators.items()))
             )
         else:
             lines.append(
@@ -507,6 +605,21 @@ class SchedulerService:
                 )
         return lines
 
+    def _describe_pool(self, pool: str, actuator: Actuator) -> str:
+        spec = self.fleet.pools[pool].autoscale
+        assert spec is not None
+        head = f"{pool} ({actuator.name} actuator): {spec.min_replicas}-{spec.max_replicas} replicas, {spec.policy}"
+        plan = self.capacity_plans.get(pool)
+        if plan is not None:
+            cap = f"planned capacity {plan.rps:.1f} rps per replica: {plan.source}"
+        elif spec.capacity_from == "plan":
+            cap = "planned capacity: measuring on the simulated replica"
+        else:
+            cap = f"capacity {spec.capacity_rps_per_replica:g} rps per replica (set by hand)"
+        if spec.learn_capacity:
+            cap += ", learned online from what the replicas sustain within the SLO"
+        return f"{head}, {cap}"
+
     # -- running ---------------------------------------------------------------------------------
 
     def serve_metrics(self, host: str, port: int) -> None:
@@ -522,7 +635,7 @@ class SchedulerService:
         if self.prober is not None:
             loops.append(asyncio.create_task(self.prober.run(stop), name="health"))
         if self.autoscaler_loop is not None:
-            loops.append(asyncio.create_task(self.autoscaler_loop.run(stop), name="autoscaler"))
+            loops.append(asyncio.create_task(self._autoscale(stop), name="autoscaler"))
             loops.append(
                 asyncio.create_task(self._save_profiles_every(self.options.profile_save_s), name="profiles")
             )

@@ -40,6 +40,7 @@ __all__ = [
     "AdapterSpec",
     "AutoscalerSpec",
     "CanaryEvalSpec",
+    "CapacityPlanSpec",
     "CanaryRolloutSpec",
     "ClassSpec",
     "ExternalProviderSpec",
@@ -180,16 +181,58 @@ class KubernetesTargetSpec(_Strict):
     port: int = Field(default=8000, ge=1, le=65535)
 
 
+class CapacityPlanSpec(_Strict):
+    """Where ``capacity_from: plan`` takes one replica's capacity (requests/s within the SLO).
+
+    Measured when the scheduler starts, by replaying a workload on the simulated replica in
+    virtual time (``preset``, default: the pool's ``sim`` launch preset; requests with
+    log-uniform ``prompt_tokens`` and ``output_tokens`` in the given ranges; ``duration_s`` of
+    virtual time per replay), or read from ``file``, the output of ``tidal plan --json`` (its
+    option with ``tp``, needed when it lists several). The SLO is ``ttft_p95_s``/``tpot_p95_s``,
+    by default the ``interactive`` class's ``ttft_slo_s``/``tpot_slo_s``. Example::
+
+        autoscale: {capacity_from: plan, plan: {preset: llama-3.1-8b-h100, prompt_tokens: [128, 2048]}}
+    """
+
+    preset: Name | None = None
+    prompt_tokens: tuple[int, int] = (128, 2048)
+    output_tokens: tuple[int, int] = (16, 512)
+    ttft_p95_s: float | None = Field(default=None, gt=0.0, le=3600.0)
+    tpot_p95_s: float | None = Field(default=None, gt=0.0, le=60.0)
+    duration_s: float = Field(default=60.0, ge=5.0, le=3600.0)
+    file: str | None = Field(default=None, min_length=1, max_length=4096)
+    tp: int | None = Field(default=None, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _check(self) -> CapacityPlanSpec:
+        for name, (lo, hi) in (("prompt_tokens", self.prompt_tokens), ("output_tokens", self.output_tokens)):
+            if not 1 <= lo <= hi <= 10_000_000:
+                raise ValueError(f"{name} must be [low, high] with 1 <= low <= high")
+        if self.file is not None and self.preset is not None:
+            raise ValueError(
+                "give 'file' (a tidal plan --json output) or 'preset' (measure at start), not both"
+            )
+        if self.tp is not None and self.file is None:
+            raise ValueError("'tp' picks an option of 'file'; it needs 'file'")
+        return self
+
+
 class AutoscalerSpec(_Strict):
     """Per-pool autoscaling: bounds, the capacity of one replica, the decision policy and events.
 
     ``policy`` names a registered decision plugin (``reactive`` or ``tidal``); ``parameters``
-    are that plugin's, checked strictly when the scheduler starts.
+    are that plugin's, checked strictly when the scheduler starts. A replica's capacity
+    (requests/s within the SLO) is ``capacity_rps_per_replica`` (``capacity_from: static``) or
+    comes from ``plan`` (``capacity_from: plan``); ``learn_capacity: true`` then refines it from
+    the requests per second the pool's replicas sustained within the SLO.
     """
 
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=8, ge=1, le=10_000)
     capacity_rps_per_replica: float = Field(default=1.0, gt=0)
+    capacity_from: Literal["static", "plan"] = "static"
+    plan: CapacityPlanSpec | None = None
+    learn_capacity: bool = False
     warm_buffer: float = Field(default=0.12, ge=0.0, le=1.0)
     cold_start_s: float = Field(default=180.0, ge=0.0, le=24 * 3600.0)
     scale_down_stabilisation_s: float = Field(default=900.0, ge=0.0, le=7 * 24 * 3600.0)
@@ -203,7 +246,18 @@ class AutoscalerSpec(_Strict):
     def _check_bounds(self) -> AutoscalerSpec:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must not exceed max_replicas")
+        if self.plan is not None and self.capacity_from != "plan":
+            raise ValueError("'plan' is only read with capacity_from: plan")
+        if self.capacity_from == "plan" and "capacity_rps_per_replica" in self.model_fields_set:
+            raise ValueError(
+                "capacity_from: plan takes the capacity from the plan; drop capacity_rps_per_replica"
+            )
         return self
+
+    @property
+    def planned(self) -> CapacityPlanSpec:
+        """The ``plan`` section (its defaults when ``capacity_from: plan`` gives none)."""
+        return self.plan or CapacityPlanSpec()
 
 
 class CanaryEvalSpec(_Strict):
@@ -272,6 +326,11 @@ class PoolSpec(_Strict):
         if self.min_inflight_per_replica > self.max_inflight_per_replica:
             raise ValueError("min_inflight_per_replica must not exceed max_inflight_per_replica")
         return self
+
+    @property
+    def sim_preset(self) -> str | None:
+        """The preset of the pool's first simulated replica (``launch: {kind: sim}``), if any."""
+        return next((r.launch.preset for r in self.replicas if r.launch and r.launch.kind == "sim"), None)
 
     @property
     def canary_group(self) -> str | None:
@@ -467,6 +526,14 @@ class FleetConfig(_Strict):
                     f"pools.{name}.model: unknown model '{pool.model}' (known: {_known(model_names)})"
                 )
             replica_names += [r.name for r in pool.replicas]
+            spec = pool.autoscale
+            if spec is not None and spec.capacity_from == "plan":
+                plan = spec.planned
+                if plan.file is None and plan.preset is None and pool.sim_preset is None:
+                    problems.append(
+                        f"pools.{name}.autoscale.plan: name a preset to measure or a tidal plan --json "
+                        "file (no replica of the pool has a sim launch block to take a preset from)"
+                    )
         _dupes(problems, "replica names", replica_names)
         for fname, feat in self.features.items():
             if feat.class_ not in self.classes:

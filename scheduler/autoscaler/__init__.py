@@ -13,7 +13,16 @@ The local-process and Kubernetes actuators live in ``scheduler.autoscaler.local`
 """
 
 from scheduler.autoscaler.actuators import Actuator, GaugeActuator, PoolReplicas
-from scheduler.autoscaler.capacity import ReplicaCapacity, StaticCapacity
+from scheduler.autoscaler.capacity import (
+    CapacityPlan,
+    LearnsCapacity,
+    OnlineCapacity,
+    ReplicaCapacity,
+    StaticCapacity,
+    known_plan,
+    plan_capacity,
+    pool_slo,
+)
 from scheduler.autoscaler.forecast import (
     EventCalendar,
     Forecaster,
@@ -37,10 +46,13 @@ __all__ = [
     "Actuator",
     "Autoscaler",
     "AutoscalerLoop",
+    "CapacityPlan",
     "EventCalendar",
     "Forecaster",
     "GaugeActuator",
     "HourOfWeekProfile",
+    "LearnsCapacity",
+    "OnlineCapacity",
     "PoolReplicas",
     "ReactivePolicy",
     "ReplicaCapacity",
@@ -52,5 +64,8 @@ __all__ = [
     "StaticCapacity",
     "TidalPolicy",
     "hour_of_week",
+    "known_plan",
     "make_policy",
+    "plan_capacity",
+    "pool_slo",
 ]

@@ -6,8 +6,9 @@ down over the stabilisation window, bounds, the actuator). Policies register by 
 :data:`POLICIES` and parse their parameters strictly (unknown or bad ones fail at start).
 
 ``reactive`` -- what HPA/KEDA on serving metrics do: replicas for the load seen now, plus a step
-up while TTFT p95, queue wait p95 or KV usage breach their targets (KV usage only while the pool
-is not lent to batch, whose sequences fill the cache at low priority). No forecast, no buffer.
+up while TTFT p95, queue wait p95, KV usage or (with ``target_tpot_p95_s``) TPOT p95 breach
+their targets (KV usage only while the pool is not lent to batch, whose sequences fill the
+cache at low priority). No forecast, no buffer.
 Config::
 
     autoscale: {policy: reactive, parameters: {target_ttft_p95_s: 1.0, breach_step: 0.25}}
@@ -86,6 +87,7 @@ class _Params(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target_ttft_p95_s: float = Field(default=1.0, gt=0)
+    target_tpot_p95_s: float | None = Field(default=None, gt=0)  # None: TPOT is not a breach
     target_queue_wait_p95_s: float = Field(default=0.5, gt=0)
     kv_usage_high: float = Field(default=0.9, gt=0, le=1.0)
     breach_step: float = Field(default=0.25, gt=0, le=10.0)
@@ -102,6 +104,8 @@ def _breach(load: PoolLoad | None, p: _Params, lent_to_batch: bool) -> list[str]
     out = []
     if load.ttft_p95_s > p.target_ttft_p95_s:
         out.append(f"TTFT p95 {load.ttft_p95_s:.2f}s > {p.target_ttft_p95_s}s")
+    if p.target_tpot_p95_s is not None and load.tpot_p95_s > p.target_tpot_p95_s:
+        out.append(f"TPOT p95 {load.tpot_p95_s * 1000:.0f}ms > {p.target_tpot_p95_s * 1000:g}ms")
     if load.queue_wait_p95_s > p.target_queue_wait_p95_s:
         out.append(f"queue wait p95 {load.queue_wait_p95_s:.2f}s > {p.target_queue_wait_p95_s}s")
     if load.kv_cache_usage_max > p.kv_usage_high and not lent_to_batch:

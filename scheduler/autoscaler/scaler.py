@@ -1,7 +1,7 @@
 """The autoscaler: the machinery around a decision policy that always runs.
 
 Per pool, each step it (1) asks the actuator what is ready and what is starting, (2) feeds the
-observed rate to the hour-of-week profile, (3) asks the policy plugin how many replicas are
+observed rate to the hour-of-week profile (and the load to a capacity that learns), (3) asks the policy plugin how many replicas are
 needed, (4) clamps to ``[min_replicas, max_replicas]``, (5) stabilises: **up at once**, **down
 slowly** -- only to the largest answer of the last ``scale_down_stabilisation_s`` and only when
 the policy says the pool is in a trough, (6) tells the actuator, and (7) offers the replicas a
@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler.autoscaler.actuators import Actuator
-from scheduler.autoscaler.capacity import ReplicaCapacity
+from scheduler.autoscaler.capacity import LearnsCapacity, ReplicaCapacity
 from scheduler.autoscaler.forecast import Forecaster
 from scheduler.autoscaler.policy import ScaleInput, ScalePolicy
 from scheduler.metrics import SchedulerMetrics
@@ -107,6 +107,9 @@ class Autoscaler:
             and not self.forecaster.calendar.active(now)
         ):
             profile.observe(now, load.requests_per_s)
+        lent = self.lent_to_batch(self.pool)
+        if load is not None and isinstance(self.capacity, LearnsCapacity):
+            self.capacity.observe(self.pool, load, seen.ready, lent_to_batch=lent)
         cap = self.capacity.capacity_rps(self.pool)
         inp = ScaleInput(
             pool=self.pool,
@@ -117,7 +120,7 @@ class Autoscaler:
             load=load,
             capacity_rps=cap,
             forecast=self._forecast,
-            lent_to_batch=self.lent_to_batch(self.pool),
+            lent_to_batch=lent,
         )
         t0 = time.perf_counter()
         decision = self.policy.decide(inp)
@@ -168,6 +171,7 @@ class Autoscaler:
         predicted = None if predicted is None or math.isnan(predicted) else predicted
         m = self.metrics
         m.desired_replicas.labels(self.pool).set(target)
+        m.capacity_rps.labels(self.pool).set(cap)
         m.ready_replicas.labels(self.pool).set(seen.ready)
         m.starting_replicas.labels(self.pool).set(seen.starting)
         m.trough_spare.labels(self.pool).set(spare)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -350,3 +351,121 @@ async def test_the_probe_generates_one_token_or_embeds_one_word_by_the_pool_mode
         await probes.aclose()
         for p in (chat, embed):
             p.stop()
+
+
+PLANNED = {
+    "capacity_from": "plan",
+    "max_replicas": 40,
+    "plan": {
+        "preset": "llama-3.1-70b-fp8-h200-tp4",
+        "prompt_tokens": [900, 1100],
+        "output_tokens": [150, 250],
+        "duration_s": 20,
+    },
+}
+
+
+async def test_a_planned_pool_is_measured_when_the_service_starts_and_cached_for_the_next() -> None:
+    # Given a pool whose capacity is planned on the simulated replica, not measured yet
+    gw = FakeGateway([])
+    gw.report = LoadReport(time=1_700_000_000.0, pools={"spot": PoolLoad(requests_per_s=40.0)})
+    f = fleet(spot={"autoscale": PLANNED})
+
+    def make() -> SchedulerService:
+        return SchedulerService(
+            f,
+            Settings(_env_file=None, environment="test"),  # type: ignore[call-arg]
+            gateway=gw,
+            clock=ManualClock(),
+            options=SchedulerOptions(gate=False, health=False, canary=False),
+            actuators={"spot": GaugeActuator()},
+        )
+
+    s = make()
+    assert "spot" not in s.capacity_plans
+    assert any("planned capacity: measuring on the simulated replica" in line for line in s.describe())
+    # When it runs, it measures first, then sizes the pool with what it measured
+    stop = asyncio.Event()
+    task = asyncio.create_task(s.run(stop))
+    try:
+        for _ in range(600):
+            if s.metrics.registry.get_sample_value("tidal_autoscaler_desired_replicas", {"pool": "spot"}):
+                break
+            await asyncio.sleep(0.05)
+        plan = s.capacity_plans["spot"]
+        planned = s.metrics.registry.get_sample_value(
+            "tidal_autoscaler_planned_capacity_requests_per_second", {"pool": "spot"}
+        )
+        assert planned == plan.rps and 3.0 < plan.rps < 40.0
+        desired = s.metrics.registry.get_sample_value("tidal_autoscaler_desired_replicas", {"pool": "spot"})
+        assert desired == math.ceil(40.0 * 1.12 / plan.rps - 1e-9)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    # And the next scheduler starts with it at once
+    again = make()
+    assert again.capacity_plans["spot"].rps == plan.rps and again.capacity_plans["spot"].cached
+    assert any(f"planned capacity {plan.rps:.1f} rps per replica" in line for line in again.describe())
+
+
+def test_a_plan_that_cannot_be_used_stops_the_start_naming_the_pool(tmp_path: Path) -> None:
+    bad = {"capacity_from": "plan", "plan": {"file": str(tmp_path / "plan.json")}}
+    with pytest.raises(SchedulerSetupError, match=r"pools.spot.autoscale.plan: .*cannot read the plan"):
+        service(fleet(spot={"autoscale": bad}), FakeGateway([]), ManualClock())
+    (tmp_path / "plan.json").write_text(json.dumps({"options": [{"tp": 8, "requests_per_s_at_slo": 12.5}]}))
+    s = service(fleet(spot={"autoscale": bad}), FakeGateway([]), ManualClock())
+    assert s.capacity_plans["spot"].rps == 12.5
+
+
+def test_a_learned_capacity_is_saved_with_the_profiles_and_read_back(data_dir: Path) -> None:
+    learning = {"capacity_rps_per_replica": 10.0, "learn_capacity": True}
+    first = service(fleet(batch={"autoscale": learning}), FakeGateway([]), ManualClock())
+    capacity = first.learned_capacity
+    assert capacity is not None
+    busy = PoolLoad(requests_per_s=60.0, replicas_healthy=4, ttft_p95_s=0.2, tpot_p95_s=0.02)
+    for _ in range(4):
+        capacity.observe("batch", busy, 4, lent_to_batch=False)
+    assert capacity.capacity_rps("batch") == 15.0
+    first.save_profiles()
+    again = service(fleet(batch={"autoscale": learning}), FakeGateway([]), ManualClock())
+    assert again.learned_capacity is not None and again.learned_capacity.capacity_rps("batch") == 15.0
+    assert any("learned online" in line for line in again.describe())
+
+
+def test_a_profile_imported_while_the_scheduler_runs_replaces_the_learned_one(data_dir: Path) -> None:
+    from click.testing import CliRunner
+
+    from tidal.cli.autoscale import import_profile
+
+    s = service(fleet(), FakeGateway([]), ManualClock())
+    s.save_profiles()
+    assert s.autoscaler_loop is not None
+    scaler = next(sc for sc in s.autoscaler_loop.scalers if sc.pool == "batch")
+    assert scaler.forecaster.profile is not None and scaler.forecaster.profile.trained_hours == 0
+    # When an operator imports a day of per-minute rates for the batch pool
+    monday = 1_772_409_600.0  # 2026-03-02 00:00 UTC
+    history = data_dir.parent / "rates.csv"
+    history.write_text("time,rps\n" + "".join(f"{monday + 60 * m},{3 + m // 60}\n" for m in range(24 * 60)))
+    out = CliRunner().invoke(import_profile, [str(history), "--pool", "batch", "--data-dir", str(data_dir)])
+    assert out.exit_code == 0, out.output
+    assert (
+        "24 of 168 hours of the week learned" in out.output
+        and "busiest hour: Mon 23:00 at 26.0 rps" in out.output
+    )
+    # Then the scheduler's next save takes it instead of overwriting it
+    s.save_profiles()
+    assert scaler.forecaster.profile is s.profiles["batch"] and s.profiles["batch"].trained_hours == 24
+    assert s.profiles["batch"].predict(monday + 7 * 86400 + 5.5 * 3600) == 8.0
+    saved = json.loads(s.profiles_path.read_text())["pools"]
+    assert sum(1 for b in saved["batch"]["buckets"] if b) == 24
+
+
+def test_the_embedded_fleet_autoscales_its_interactive_pool_with_local_replicas() -> None:
+    from tidal.defaults import DEFAULT_FLEET_PATH
+    from tidal.fleet import load_fleet
+
+    s = service(load_fleet(DEFAULT_FLEET_PATH), FakeGateway([]), ManualClock())
+    assert s.autoscaler_loop is not None
+    assert {sc.pool: sc.actuator.name for sc in s.autoscaler_loop.scalers} == {"interactive": "local"}
+    [line] = [x for x in s.describe() if x.startswith("autoscaler:")]
+    assert "interactive (local actuator): 2-4 replicas" in line

@@ -35,6 +35,27 @@ def test_default_fleet_loads() -> None:
     assert fleet.features["chat"].class_ == "interactive"
 
 
+def test_the_default_fleet_autoscales_its_interactive_pool_on_a_planned_capacity() -> None:
+    spec = load_fleet(DEFAULT_FLEET_PATH).pools["interactive"].autoscale
+    assert spec is not None and spec.capacity_from == "plan"
+    assert load_fleet(DEFAULT_FLEET_PATH).pools["interactive"].sim_preset == "llama-3.1-8b-h100"
+
+
+def test_a_plan_takes_a_preset_to_measure_or_a_tidal_plan_file() -> None:
+    data = minimal()
+    data["pools"]["interactive"]["autoscale"] = {
+        "capacity_from": "plan",
+        "plan": {"file": "plan.json", "tp": 4},
+        "learn_capacity": True,
+    }
+    spec = parse_fleet(data).pools["interactive"].autoscale
+    assert spec is not None and spec.planned.file == "plan.json" and spec.planned.tp == 4
+    data["pools"]["interactive"]["replicas"][0]["launch"] = {"kind": "sim", "preset": "fast-test"}
+    data["pools"]["interactive"]["autoscale"] = {"capacity_from": "plan"}
+    spec = parse_fleet(data).pools["interactive"].autoscale
+    assert spec is not None and spec.planned.prompt_tokens == (128, 2048) and not spec.learn_capacity
+
+
 def test_minimal_fleet_gets_defaults() -> None:
     fleet = parse_fleet(minimal())
     assert set(fleet.classes) == {"interactive", "batch"}
@@ -130,6 +151,49 @@ def test_minimal_fleet_gets_defaults() -> None:
                 ]
             ),
             "pools.interactive: replicas are in several groups besides 'stable' (b1, b2): name the one",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(autoscale={"capacity_from": "measured"}),
+            "pools.interactive.autoscale.capacity_from: Input should be 'static' or 'plan'",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(autoscale={"capacity_from": "plan"}),
+            "pools.interactive.autoscale.plan: name a preset to measure or a tidal plan --json file "
+            "(no replica of the pool has a sim launch block",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(autoscale={"plan": {"preset": "p"}}),
+            "pools.interactive.autoscale: 'plan' is only read with capacity_from: plan",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(
+                autoscale={"capacity_from": "plan", "capacity_rps_per_replica": 3, "plan": {"preset": "p"}}
+            ),
+            "pools.interactive.autoscale: capacity_from: plan takes the capacity from the plan",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(
+                autoscale={"capacity_from": "plan", "plan": {"preset": "p", "prompt_tokens": [900, 100]}}
+            ),
+            "pools.interactive.autoscale.plan: prompt_tokens must be [low, high] with 1 <= low <= high",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(
+                autoscale={"capacity_from": "plan", "plan": {"preset": "p", "file": "plan.json"}}
+            ),
+            "pools.interactive.autoscale.plan: give 'file' (a tidal plan --json output) or 'preset'",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(
+                autoscale={"capacity_from": "plan", "plan": {"preset": "p", "tp": 4}}
+            ),
+            "pools.interactive.autoscale.plan: 'tp' picks an option of 'file'; it needs 'file'",
+        ),
+        (
+            lambda d: d["pools"]["interactive"].update(
+                autoscale={"capacity_from": "plan", "plan": {"preset": "p", "ttft_p95": 1}}
+            ),
+            "pools.interactive.autoscale.plan.ttft_p95: unknown key",
         ),
     ],
 )

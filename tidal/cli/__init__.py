@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "batch": "tidal.cli.batch:batch",
     "jobs": "tidal.cli.jobs:jobs",
     "scheduler": "tidal.cli.scheduler:scheduler",
+    "autoscale": "tidal.cli.autoscale:autoscale",
     "bench": "tidal.cli.bench:bench",
     "fleet": "tidal.cli.fleet:fleet",
     "keys": "tidal.cli.keys:keys",

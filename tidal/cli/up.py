@@ -8,6 +8,7 @@ Flower. ``tidal up`` starts them, prints where each listens, and stops them all 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import sys
@@ -16,10 +17,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-__all__ = ["Part", "batch_broker_env", "plan_parts", "up"]
+if TYPE_CHECKING:
+    from tidal.fleet import FleetConfig
+
+__all__ = ["Part", "autoscaler_lines", "batch_broker_env", "plan_parts", "up"]
+
+_PLANNED = re.compile(
+    r'^tidal_autoscaler_planned_capacity_requests_per_second\{pool="([^"]+)"\} (\S+)$', re.M
+)
 
 
 @dataclass
@@ -73,6 +82,48 @@ def batch_broker_env(data_dir: Path) -> tuple[dict[str, str], str | None]:
         "(not started). Start RabbitMQ on 127.0.0.1:5672 for the full tier."
     )
     return env, note
+
+
+def autoscaler_lines(fleet: FleetConfig, scheduler_metrics: str) -> dict[str, str]:
+    """What ``tidal up`` says about each autoscaled pool whose capacity the scheduler's metrics
+    (``tidal_autoscaler_planned_capacity_requests_per_second``) already give."""
+    planned = {m.group(1): float(m.group(2)) for m in _PLANNED.finditer(scheduler_metrics)}
+    lines: dict[str, str] = {}
+    for pool in fleet.pools.values():
+        spec = pool.autoscale
+        if spec is None or pool.name not in planned:
+            continue
+        rps = planned[pool.name]
+        if spec.capacity_from == "plan":
+            plan = spec.planned
+            cls = fleet.classes.get("interactive")
+            ttft = plan.ttft_p95_s or (cls.ttft_slo_s if cls else 1.0)
+            tpot = plan.tpot_p95_s or (cls.tpot_slo_s if cls else 0.05)
+            how = (
+                f"from {plan.file}"
+                if plan.file
+                else f"measured on the simulated replica ({plan.preset or pool.sim_preset}, virtual time) "
+                f"at TTFT p95 <= {ttft:g} s, TPOT p95 <= {tpot * 1000:g} ms"
+            )
+            capacity = f"planned capacity {rps:.1f} requests/s per replica, {how}"
+        else:
+            capacity = f"capacity {rps:g} requests/s per replica (capacity_rps_per_replica)"
+        lines[pool.name] = (
+            f"autoscaler: running on pool {pool.name} ({spec.min_replicas}-{spec.max_replicas} replicas, "
+            f"policy {spec.policy}); {capacity}"
+        )
+    return lines
+
+
+def _scheduler_metrics(port: int) -> str:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1.0) as resp:
+            body: bytes = resp.read()
+            return body.decode()
+    except OSError:
+        return ""
 
 
 def plan_parts(
@@ -242,6 +293,7 @@ def up(
     """
     from replicas.launcher import ReplicaProcess, ReplicaStartError
     from tidal.defaults import DEFAULT_FLEET_PATH
+    from tidal.fleet import load_fleet
 
     fleet_path = (config or DEFAULT_FLEET_PATH).resolve()
     key = api_key or f"tidal-dev-{secrets.token_urlsafe(24)}"
@@ -304,7 +356,22 @@ def up(
                 raise ReplicaStartError(f"{part.name} exited at start:\n{proc.log_tail()}")
         if not stop.is_set():
             _print_summary(running, missing, key, port, admin_key)
+        scheduler = next((p for p, _ in running if p.command == "scheduler"), None)
+        fleet = load_fleet(fleet_path)
+        # The scheduler plans capacities in the background (seconds, on a first start): say what
+        # it runs on as soon as its metrics tell.
+        untold = {p.name for p in fleet.pools.values() if p.autoscale} if scheduler else set()
+        planning_said = False
         while not stop.is_set():
+            if untold and scheduler is not None and scheduler.port:
+                told = autoscaler_lines(fleet, _scheduler_metrics(scheduler.port))
+                for pool in sorted(untold & told.keys()):
+                    click.echo(told[pool])
+                    untold.discard(pool)
+                if untold and not planning_said:
+                    click.echo(f"autoscaler: planning the capacity of {', '.join(sorted(untold))} ...")
+                    planning_said = True
+                sys.stdout.flush()
             for part, proc in running:
                 if not proc.running():
                     click.echo(

@@ -106,3 +106,14 @@ def test_kv_usage_is_no_breach_while_the_pool_is_lent_to_batch() -> None:
             policy.decide(replace(case, lent_to_batch=True, load=PoolLoad(4.0, ttft_p95_s=3.0))).replicas
             >= 10
         )
+
+
+def test_tpot_is_a_breach_once_a_target_is_set() -> None:
+    from dataclasses import replace
+
+    case = inp(4.0, ready=8)
+    slow = replace(case, load=replace(case.load, tpot_p95_s=0.08)) if case.load else case
+    for name in ("reactive", "tidal"):
+        assert make_policy(name).decide(slow).replicas < 10  # no target: not a breach
+        d = make_policy(name, {"target_tpot_p95_s": 0.05}).decide(slow)
+        assert d.replicas == 10 and not d.trough and "TPOT p95 80ms > 50ms" in d.reason
