@@ -29,6 +29,7 @@ from api.errors import APIError
 from api.metrics import GatewayMetrics
 from api.proxy import Proxy, ProxyJob, ProxyResponse
 from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from api.shared_state import build_shared_load
 from priority.admission import Admission, Outcome
 from priority.features import FEATURE_HEADER, PlanError, estimate_tokens, plan_request, resolve_feature
 from replicas.client import ReplicaClient
@@ -115,10 +116,16 @@ class InteractiveService:
             external_model=provider.model if provider else None,
             retry_before_first_token=fleet.gateway.retry_before_first_token,
         )
+        # With TIDAL_REDIS_URL, every gateway process's load per replica, queues and caps are
+        # shared (router.shared); a slot freed at another gateway wakes this one's queue.
+        self.shared = build_shared_load(
+            settings, fleet, self.registry, self.admission, self.proxy.slot_freed, prom, self.clock
+        )
         default = self.router.profiles[self.router.default]
         # Block hashes cost time per request; compute them only when the profile reads them.
         self.needs_blocks = any(p.READS_BLOCKS for p in default.producers)
         self._scrape_task: asyncio.Task[None] | None = None
+        self._shared_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -130,10 +137,14 @@ class InteractiveService:
         for state in self.registry:
             if state.client is None:
                 state.client = self._client_for(state)
-        self._scrape_task = asyncio.get_running_loop().create_task(self.scraper.run_forever())
+        loop = asyncio.get_running_loop()
+        self._scrape_task = loop.create_task(self.scraper.run_forever())
+        if self.shared is not None:
+            await self.shared.sync_once()  # start from the fleet's counts and caps, not from zero
+            self._shared_task = loop.create_task(self.shared.run_forever())
 
     async def shutdown(self) -> None:
-        tasks = [t for t in (self._scrape_task, *self._background) if t is not None]
+        tasks = [t for t in (self._scrape_task, self._shared_task, *self._background) if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -144,6 +155,9 @@ class InteractiveService:
                 await state.client.aclose()
         if self.external is not None:
             await self.external.aclose()
+        if self.shared is not None:
+            await self.shared.leave()  # the others stop counting this gateway's requests at once
+            await self.shared.store.aclose()
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -237,7 +251,7 @@ class InteractiveService:
     def replica_json(self, state: ReplicaState) -> dict[str, Any]:
         snap = state.snapshot
         now = self.clock.now()
-        return {
+        out: dict[str, Any] = {
             "name": state.name,
             "url": state.url,
             "pool": state.pool,
@@ -263,6 +277,9 @@ class InteractiveService:
             },
             "snapshot_age_s": None if state.snapshot_at is None else round(now - state.snapshot_at, 3),
         }
+        if self.shared is not None:
+            out["inflight_all"] = state.inflight + state.remote_inflight  # every gateway's requests
+        return out
 
     def add_replica(
         self, *, name: str, url: str, pool: str, group: str, weight: float, max_loras: int
@@ -357,12 +374,14 @@ class InteractiveService:
             kv = [s.kv_cache_usage for s in snaps]
             w = self.metrics.pool(pool)
             requests = w.requests.count()
+            remote_queued = self.shared.remote_queued.get(pool, 0) if self.shared is not None else 0
             pools[pool] = {
-                "queue_depth": self.admission.queue_depth(pool),
+                # With shared state, queue depth and in-flight count every gateway's requests.
+                "queue_depth": self.admission.queue_depth(pool) + remote_queued,
                 "queue_wait_p95_s": _finite(self.admission.queue_wait_quantile(pool, 0.95)),
                 "ttft_p95_s": _finite(w.ttft.quantile(0.95)),
                 "tpot_p95_s": _finite(w.tpot.quantile(0.95)),
-                "inflight": sum(s.inflight for s in states),
+                "inflight": sum(s.inflight + s.remote_inflight for s in states),
                 "kv_cache_usage_max": max(kv) if kv else None,
                 "kv_cache_usage_mean": sum(kv) / len(kv) if kv else None,
                 "num_waiting": sum(s.num_waiting for s in snaps),
@@ -382,7 +401,15 @@ class InteractiveService:
             }
         for state in self.registry:
             groups.setdefault(state.group, {"requests": 0, "errors": 0, "error_rate": 0.0})
-        return {"time": time.time(), "pools": pools, "groups": groups}
+        out: dict[str, Any] = {"time": time.time(), "pools": pools, "groups": groups}
+        shared = self.shared
+        if shared is not None:
+            out["shared_state"] = {
+                "up": shared.up,
+                "age_s": _finite(shared.age_s()),
+                "gateways": shared.gateways,
+            }
+        return out
 
 
 def _prompt_size(items: Any) -> int:

@@ -79,6 +79,14 @@ class AdaptiveCap:
             self._samples.append(tpot_s)
         self.maybe_decide()
 
+    def adopt(self, value: int) -> None:
+        """Take a cap decided elsewhere (another gateway's controller of the same replica): the
+        next decision judges requests that ran under it, as after a decision of this one."""
+        self.value = max(self.minimum, min(self.maximum, value))
+        self._samples.clear()
+        self._peak_inflight = 0
+        self._last_decision = self.clock.now()
+
     def maybe_decide(self) -> int:
         now = self.clock.now()
         if now - self._last_decision < self.interval_s or len(self._samples) < self.min_samples:

@@ -3,7 +3,10 @@
 Per replica it keeps what the admin API sets (healthy, draining, canary weight), what the proxy
 counts (in-flight requests, the adaptive cap, adapters loaded and their use), what the scraper
 brings (the last ``/metrics`` snapshot and when), and the handles of in-flight requests so that
-marking a replica unhealthy can fail them fast. The router sees it only through
+marking a replica unhealthy can fail them fast. With several gateways sharing load state
+(:mod:`router.shared`), ``remote_inflight`` and ``remote_prefill_tokens`` hold the other gateways'
+counts, and the views, free slots and the cap's growth test count them too; without sharing they
+stay 0 and the registry is this gateway's alone. The router sees it only through
 :class:`~router.types.ReplicaView` snapshots; admission only through :meth:`free_slots`.
 
 The gateway fills it from the fleet config and the admin API; the routing benchmark fills it with
@@ -56,6 +59,11 @@ class ReplicaState:
     draining: bool = False
     inflight: int = 0
     prefill_tokens: int = 0  # prompt tokens of in-flight requests without a first token yet
+    remote_inflight: int = 0  # other gateways' requests here (shared load state, see router.shared)
+    remote_prefill_tokens: int = 0
+    # The most in flight here since the last publication (router.shared publishes it, so that a
+    # slot this gateway frees and takes again before its next publication never looks free).
+    peak_inflight: int = 0
     snapshot: LoadSnapshot | None = None
     snapshot_at: float | None = None
     finished_since_snapshot: int = 0  # requests released here since ``snapshot`` was taken
@@ -84,13 +92,13 @@ class ReplicaState:
             weight=self.weight,
             healthy=self.healthy,
             draining=self.draining,
-            inflight=self.inflight,
+            inflight=self.inflight + self.remote_inflight,
             cap=self.cap.value,
             snapshot=snap,
             snapshot_age_s=now - self.snapshot_at if self.snapshot_at is not None else float("inf"),
             loaded_adapters=adapters,
             max_loras=self.max_loras,
-            prefill_tokens=self.prefill_tokens,
+            prefill_tokens=self.prefill_tokens + self.remote_prefill_tokens,
             finished_since_snapshot=self.finished_since_snapshot,
             region=self.region,
         )
@@ -175,7 +183,11 @@ class ReplicaRegistry:
         return [s.view(now) for s in self._by_pool.get(pool, ())]
 
     def free_slots(self, pool: str) -> int:
-        return sum(max(0, s.cap.value - s.inflight) for s in self._by_pool.get(pool, ()) if s.routable)
+        return sum(
+            max(0, s.cap.value - s.inflight - s.remote_inflight)
+            for s in self._by_pool.get(pool, ())
+            if s.routable
+        )
 
     # -- what the proxy and the scraper write ------------------------------------------------------
 
@@ -183,9 +195,11 @@ class ReplicaRegistry:
         """A request starts on ``state``; its ``prompt_tokens`` count as pending prefill until
         :meth:`first_token` (or :meth:`release`) says otherwise."""
         state.inflight += 1
+        if state.inflight > state.peak_inflight:
+            state.peak_inflight = state.inflight
         state.prefill_tokens += prompt_tokens
         state.requests += 1
-        state.cap.note_inflight(state.inflight)
+        state.cap.note_inflight(state.inflight + state.remote_inflight)
         if adapter is not None:
             state.adapter_inflight[adapter] += 1
             if adapter in state.adapters:  # LRU touch; loading is the adapter manager's job

@@ -24,8 +24,10 @@ T = TypeVar("T")
 class ReplicaView:
     """One replica as the router sees it.
 
-    ``inflight`` is the gateway's own count (instant) and ``prefill_tokens`` the prompt tokens
-    of those requests still waiting for their first token (the prefill work queued there);
+    ``inflight`` is the gateway's own count (instant), plus the other gateways' when they share
+    load state (:mod:`router.shared`, at most a staleness bound old), and ``prefill_tokens`` the
+    prompt tokens of those requests still waiting for their first token (the prefill work queued
+    there);
     ``snapshot`` is the last scraped ``/metrics`` (``snapshot_age_s`` old), which also carries
     other gateways' traffic; ``finished_since_snapshot`` counts the requests this gateway has seen
     end there since that scrape (the snapshot still counts them).

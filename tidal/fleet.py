@@ -455,6 +455,17 @@ class GatewaySpec(_Strict):
     # The replicas' HTTP client: the gateway's lean HTTP/1.1 pool, or aiohttp (measured side by
     # side by `tidal bench gateway`). The external provider always goes through aiohttp.
     upstream_client: Literal["lean", "aiohttp"] = "lean"
+    # With TIDAL_REDIS_URL: how often each gateway process publishes its per-replica load and
+    # reads the others' (the staleness bound is about two intervals), and how long published
+    # counts live (a gateway that dies stops counting after it; counts older are never used).
+    shared_state_interval_s: float = Field(default=0.05, gt=0, le=5)
+    shared_state_ttl_s: float = Field(default=2.0, gt=0, le=60)
+
+    @model_validator(mode="after")
+    def _ttl_outlives_intervals(self) -> GatewaySpec:
+        if self.shared_state_ttl_s < 4 * self.shared_state_interval_s:
+            raise ValueError("gateway.shared_state_ttl_s must be at least 4 x shared_state_interval_s")
+        return self
 
 
 class PluginSpec(_Strict):

@@ -57,6 +57,12 @@ class Settings(BaseSettings):
     # Where the embedded broker (used when RabbitMQ is unreachable) keeps its messages.
     broker_dir: Path | None = None
 
+    # Interactive tier: load state shared by every gateway process (router.shared). Unset: each
+    # gateway routes on its own counts (the embedded default; `tidal gateway --workers N` refuses).
+    redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
+    # Prefix of every Redis key, so that several deployments (and test runs) can share one Redis.
+    redis_namespace: str = Field(default="tidal", pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,39}$")
+
     # Security
     admin_key: str | None = None
     flower_basic_auth: str = _DEV_FLOWER_AUTH
