@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from tidal.cli.options import fleet_config_option, load_fleet_or_exit
 
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
 __all__ = ["gateway"]
+
+
+def _build_app(path: str) -> ASGIApp:
+    """One worker's application (``--workers N``), from the same settings and fleet file."""
+    from api import create_app
+    from tidal.fleet import load_fleet
+    from tidal.settings import get_settings
+
+    return create_app(load_fleet(Path(path)), get_settings())
 
 
 @click.command()
@@ -24,7 +38,8 @@ __all__ = ["gateway"]
     default=1,
     show_default=True,
     type=click.IntRange(1, 64),
-    help="Uvicorn worker processes (each holds its own router state).",
+    help="Gateway processes on this port (SO_REUSEPORT); more than one needs TIDAL_REDIS_URL, "
+    "through which they share in-flight counts, queues and caps.",
 )
 def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
     """Serve the OpenAI-compatible API (chat, completions, embeddings, models, files, batches,
@@ -34,7 +49,15 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
     provider), routed by the fleet's router profile (default `tidal`: adapter, session and prefix
     affinity with bounded load) and streamed from capped replicas.
 
+    With TIDAL_REDIS_URL set, every gateway process (on this host or others) shares the load it
+    has on each replica, its queue and the replicas' caps through Redis; `--workers N` then runs
+    N processes on one port. Without Redis one process routes on its own counts, and
+    `--workers` above 1 is refused: each worker would see a fraction of the load and let every
+    replica take N times its cap.
+
     Example: TIDAL_ADMIN_KEY=... tidal gateway --config fleet.yaml --port 8000
+
+    Example: TIDAL_REDIS_URL=redis://127.0.0.1:6379/0 tidal gateway --workers 2
     """
     import uvicorn
 
@@ -44,12 +67,27 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
 
     settings = get_settings()
     path, fleet = load_fleet_or_exit(config, settings)
+    if workers > 1 and not settings.redis_url:
+        click.echo(
+            f"--workers {workers} needs shared load state: set TIDAL_REDIS_URL (e.g. "
+            "redis://127.0.0.1:6379/0). Without it each worker would route on its own share of the "
+            f"load and let every replica take {workers} x its cap. Use --workers 1 without Redis.",
+            err=True,
+        )
+        sys.exit(2)
     try:
         app = create_app(fleet, settings)
     except RouterConfigError as exc:
         click.echo(f"fleet config {path}: {exc}", err=True)
         sys.exit(1)
-    click.echo(f"gateway on http://{host}:{port} (fleet {path})")
+    shared = f", load shared through Redis ({settings.redis_namespace})" if settings.redis_url else ""
+    click.echo(f"gateway on http://{host}:{port} (fleet {path}, {workers} process(es){shared})")
+    if workers > 1:
+        from api.serve import serve_workers
+
+        del app  # each worker builds its own
+        build = functools.partial(_build_app, str(path))
+        sys.exit(serve_workers(build, host=host, port=port, workers=workers))
     # The modules, models and app built so far live as long as the process: out of the cyclic
     # collector's sight, a full collection no longer walks them (a pause of tens to hundreds of
     # milliseconds for every stream in flight; the requests' own garbage is collected as before).
@@ -62,5 +100,4 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
         http="httptools",
         log_level="warning",
         access_log=False,
-        workers=None if workers == 1 else workers,
     )
