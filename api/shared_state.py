@@ -3,8 +3,9 @@ from ``TIDAL_REDIS_URL``, the sync loop, and its metrics.
 
 Prometheus, only when ``TIDAL_REDIS_URL`` is set:
 
-* ``tidal_gateway_shared_state_up`` -- 1 while the last sync reached Redis, else 0 (the gateway
-  then routes on its own counts once the others' are older than ``shared_state_ttl_s``);
+* ``tidal_gateway_shared_state_up{gateway}`` -- 1 while the last sync reached Redis, else 0 (the
+  gateway then routes on its own counts once the others' are older than ``shared_state_ttl_s``);
+  ``gateway`` is this process's id in Redis (one per worker of ``--workers N``);
 * ``tidal_gateway_shared_state_age_seconds`` -- how old the other gateways' counts are now;
 * ``tidal_gateway_shared_state_staleness_seconds`` -- histogram of the oldest they got before each
   refresh: the measured staleness bound;
@@ -50,11 +51,13 @@ class _SharedStateMetrics(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.shared
-        yield GaugeMetricFamily(
+        up = GaugeMetricFamily(
             "tidal_gateway_shared_state_up",
             "1 while the gateway's last sync reached the shared store (Redis), else 0",
-            value=1.0 if s.up else 0.0,
+            labels=["gateway"],
         )
+        up.add_metric([s.store.gateway_id], 1.0 if s.up else 0.0)
+        yield up
         age = s.age_s()
         yield GaugeMetricFamily(
             "tidal_gateway_shared_state_age_seconds",

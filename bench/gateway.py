@@ -22,6 +22,13 @@ of the proxy. Two modes, each row saying which (``mode``):
   (up to ``--think-ms``) before each request, so requests arrive at random points of the
   replica's step. Here the added TTFT is the proxy's own per-request cost.
 
+With ``--workers N`` the two ``tidal`` targets run ``tidal gateway --workers N``: N processes on
+one port sharing their load through Redis (``--redis-url``, else ``TIDAL_REDIS_URL``, else a
+``redis-server`` the benchmark starts on a free port in its temporary directory); their CPU time
+is every gateway process's plus the Redis server's, and after each of their measurements the
+gateways' shared-state staleness (the oldest the other processes' counts got before a refresh,
+from ``tidal_gateway_shared_state_staleness_seconds``) is printed.
+
 Everything shares this machine's cores (the simulated replica, the proxy, the load generator):
 the figures compare the targets with each other in one run, not with a dedicated deployment.
 
@@ -31,6 +38,7 @@ Example::
     tidal bench gateway --mode latency --latency-concurrency 64 --seconds 20
     tidal bench gateway --mode saturated --concurrency 64,256 --seconds 20 --tokens 128
     tidal bench gateway --mode latency --baseline-src ../tidal-main
+    tidal bench gateway --mode saturated --concurrency 256 --workers 2
 """
 
 from __future__ import annotations
@@ -40,12 +48,16 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +67,7 @@ import yaml
 
 from priority.window import quantile
 from replicas.launcher import ReplicaProcess, free_port, sim_process
+from replicas.wire.prom import parse_samples
 from replicas.wire.sse import SSEDecoder
 from tidal.fleet import hash_api_key
 
@@ -65,23 +78,47 @@ MODEL = "sim"
 MODES = ("saturated", "latency")
 
 
+def _cpu(pid: int) -> float:
+    """User + system CPU seconds of one process and its threads so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a gateway's worker processes)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
 @dataclass
 class _Target:
     name: str
     url: str
     proc: ReplicaProcess | None
     headers: dict[str, str]
+    workers: int = 1
+    extra_pids: list[int] = field(default_factory=list)  # the Redis server of shared gateways
 
     def cpu_seconds(self) -> float:
-        """User + system CPU of the proxy process and its threads so far (0 for direct)."""
+        """User + system CPU of the proxy's processes and threads so far (0 for direct)."""
         if self.proc is None or self.proc.pid is None:
             return 0.0
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        ticks = os.sysconf("SC_CLK_TCK")
-        return (int(fields[11]) + int(fields[12])) / ticks
+        return sum(_cpu(p) for p in [*_tree(self.proc.pid), *self.extra_pids])
 
 
 def _fleet(sim_url: str, upstream_client: str | None = None) -> dict[str, Any]:
@@ -107,12 +144,67 @@ def _fleet(sim_url: str, upstream_client: str | None = None) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
+def _redis(workdir: Path, url: str | None) -> Iterator[tuple[str, list[int]]]:
+    """A Redis for shared gateways: ``url``, else ``TIDAL_REDIS_URL``, else a private
+    ``redis-server`` on a free port (its pid is returned, to count its CPU)."""
+    url = url or os.environ.get("TIDAL_REDIS_URL")
+    if url:
+        yield url, []
+        return
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise click.UsageError(
+            "--workers > 1 needs Redis: pass --redis-url, set TIDAL_REDIS_URL or install redis-server"
+        )
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise click.ClickException("redis-server did not start")
+            time.sleep(0.1)
+        yield f"redis://127.0.0.1:{port}/0", [proc.pid]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextlib.contextmanager
 def _services(
-    workdir: Path, time_scale: float = 1.0, baseline_src: Path | None = None
+    workdir: Path,
+    time_scale: float = 1.0,
+    baseline_src: Path | None = None,
+    workers: int = 1,
+    redis_url: str | None = None,
 ) -> Iterator[list[_Target]]:
     procs: list[ReplicaProcess] = []
     workdir.mkdir(parents=True, exist_ok=True)
+    stack = contextlib.ExitStack()
     try:
+        shared_env: dict[str, str] = {}
+        redis_pids: list[int] = []
+        if workers > 1:
+            url, redis_pids = stack.enter_context(_redis(workdir, redis_url))
+            shared_env = {"TIDAL_REDIS_URL": url, "TIDAL_REDIS_NAMESPACE": f"bench-{secrets.token_hex(4)}"}
         sim = sim_process(
             "fast-test",
             args=["--served-model-name", MODEL, "--time-scale", f"{time_scale:g}"],
@@ -132,6 +224,13 @@ def _services(
             fleet_path = workdir / f"fleet-{name}.yaml"
             fleet_path.write_text(yaml.safe_dump(_fleet(sim.url, client)))
             gw_port = free_port()
+            # Another checkout may predate shared state: its gateway runs as one process.
+            n = workers if src is None else 1
+            env = {"TIDAL_ADMIN_KEY": "bench-admin-key-0123456789"}
+            if src is not None:
+                env["PYTHONPATH"] = str(src)
+            if n > 1:
+                env |= shared_env | {"TIDAL_REDIS_NAMESPACE": f"{shared_env['TIDAL_REDIS_NAMESPACE']}-{name}"}
             gateway = ReplicaProcess(
                 name,
                 [
@@ -143,16 +242,17 @@ def _services(
                     str(fleet_path),
                     "--port",
                     str(gw_port),
+                    *(["--workers", str(n)] if n > 1 else []),
                 ],
                 port=gw_port,
-                env={"TIDAL_ADMIN_KEY": "bench-admin-key-0123456789"}
-                | ({"PYTHONPATH": str(src)} if src is not None else {}),
+                env=env,
                 cwd=src,
                 log_path=workdir / f"{name}.log",
                 health_path="/healthz",
             )
             procs.append(gateway.start())
-            targets.append(_Target(name, gateway.url, gateway, {"Authorization": f"Bearer {KEY}"}))
+            headers = {"Authorization": f"Bearer {KEY}"}
+            targets.append(_Target(name, gateway.url, gateway, headers, n, redis_pids if n > 1 else []))
         router_bin = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
         if Path(router_bin).exists():
             r_port = free_port()
@@ -189,6 +289,7 @@ def _services(
     finally:
         for p in reversed(procs):
             p.stop()
+        stack.close()
 
 
 async def _client(
@@ -292,13 +393,16 @@ def run(
     time_scale: str | float = 0.1,
     think_ms: str | float = 50,
     baseline_src: str | None = None,
+    workers: str | int = 1,
+    redis_url: str | None = None,
     **_: Any,
 ) -> list[dict[str, Any]]:
     """Rows: ``target``, ``concurrency``, ``mode``, ``ttft_p50_s``, ``ttft_p99_s``,
     ``tokens_per_s``, plus the TTFT added over direct and the proxy's CPU use (medians over
     rounds). ``concurrency`` is the saturated mode's levels, ``latency_concurrency`` the latency
     mode's; ``time_scale`` paces the latency mode's replica, ``think_ms`` bounds its think time;
-    ``baseline_src`` is another checkout whose gateway runs as one more target."""
+    ``baseline_src`` is another checkout whose gateway runs as one more target; ``workers`` runs
+    the tidal gateways with ``--workers`` (sharing load through ``redis_url``)."""
     modes = [m.strip() for m in str(mode).split(",") if m.strip()]
     for m in modes:
         if m not in MODES:
@@ -314,16 +418,48 @@ def run(
             scale = 1.0 if saturated else float(time_scale)
             think_s = 0.0 if saturated else float(think_ms) / 1000
             baseline = Path(baseline_src).resolve() if baseline_src else None
-            with _services(Path(tmp) / m, scale, baseline) as targets:
+            with _services(Path(tmp) / m, scale, baseline, int(workers), redis_url) as targets:
                 click.echo(
                     f"{m}: one simulated replica (fast-test, time scale {scale:g}), {n_tokens}-token "
                     f"streams, think time up to {think_s * 1000:g} ms, {secs:g} s per measurement, "
                     f"{n_rounds} round(s); targets: {', '.join(t.name for t in targets)}"
+                    + (f"; tidal gateways with --workers {workers}" if int(workers) > 1 else "")
                 )
                 for level in levels:
                     rows += _level(targets, m, level, secs, n_rounds, n_tokens, think_s)
     _print(rows)
     return rows
+
+
+def _staleness(target: _Target) -> str:
+    """Each gateway process's shared-state staleness over the run so far: the median and the
+    p99 bucket bound of the oldest the other processes' counts got before a refresh, and the mean."""
+    seen: dict[str, str] = {}
+    for _ in range(20 * target.workers):  # every /metrics call is a new connection: any worker
+        if len(seen) == target.workers:
+            break
+        text = urllib.request.urlopen(target.url + "/metrics", timeout=10).read().decode()
+        samples = list(parse_samples(text))
+        gid = next(
+            (s.labels.get("gateway", "") for s in samples if s.name == "tidal_gateway_shared_state_up"), ""
+        )
+        if not gid or gid in seen:
+            continue
+        name = "tidal_gateway_shared_state_staleness_seconds"
+        buckets = sorted((float(s.labels["le"]), s.value) for s in samples if s.name == f"{name}_bucket")
+        count = next((s.value for s in samples if s.name == f"{name}_count"), 0.0)
+        total = next((s.value for s in samples if s.name == f"{name}_sum"), 0.0)
+        if not count:
+            continue
+
+        def q(f: float, buckets: list[tuple[float, float]] = buckets, count: float = count) -> str:
+            bound = next(le for le, n in buckets if n >= f * count)
+            return f"<={bound * 1000:g}" if bound != float("inf") else ">5000"
+
+        seen[gid] = (
+            f"p50 {q(0.5)} ms, p99 {q(0.99)} ms, mean {total / count * 1000:.0f} ms over {count:.0f} syncs"
+        )
+    return "; ".join(f"worker {i}: {v}" for i, v in enumerate(seen.values())) or "not reported"
 
 
 def _level(
@@ -344,6 +480,12 @@ def _level(
         }
         row["mode"] = mode
         row["requests"] = sum(g["requests"] for g in got)
+        row["workers"] = target.workers
+        if target.workers > 1:
+            row["shared_state_staleness"] = _staleness(target)
+            click.echo(
+                f"{target.name} (--workers {target.workers}) shared-state staleness: {row['shared_state_staleness']}"
+            )
         rows.append(row)
     direct = next(r for r in rows if r["target"] == "direct")
     for r in rows:
@@ -369,6 +511,7 @@ def _print(rows: list[dict[str, Any]]) -> None:
                 "mode": r["mode"],
                 "target": r["target"],
                 "streams": r["concurrency"],
+                "procs": r.get("workers", 1) if r["target"].startswith("tidal") else "-",
                 "ttft_p50_ms": f"{r['ttft_p50_s'] * 1000:.1f}",
                 "ttft_p99_ms": f"{r['ttft_p99_s'] * 1000:.1f}",
                 "added_p50_ms": f"{r['added_ttft_p50_s'] * 1000:+.1f}",

@@ -28,3 +28,21 @@ def test_rows_for_each_target_and_concurrency(tmp_path: Path) -> None:
     # The latency mode's replica is paced (about 10 ms steps): its streams are slower.
     direct = {r["mode"]: r for r in rows if r["target"] == "direct"}
     assert direct["latency"]["tokens_per_s"] < direct["saturated"]["tokens_per_s"]
+
+
+def test_tidal_with_workers_shares_through_redis_and_reports_staleness(tmp_path: Path) -> None:
+    # With no Redis given, the benchmark starts its own redis-server (TIDAL_REDIS_URL unset here).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TIDAL_REDIS_URL", raising=False)
+        rows = run(
+            quick=True,
+            out_dir=tmp_path,
+            mode="saturated",
+            concurrency="4",
+            seconds="1.5",
+            tokens="8",
+            workers="2",
+        )
+    tidal = next(r for r in rows if r["target"] == "tidal")
+    assert tidal["workers"] == 2 and tidal["requests"] > 0 and tidal["proxy_cpu_s"] > 0
+    assert tidal["shared_state_staleness"].count("worker") == 2
