@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.traces import (
+from replicas.sim.traces import (
     TraceRequest,
     belady_hit_ratio,
     block_hashes,
