@@ -97,6 +97,12 @@ _PRESETS = [
         tp=4,
     ),
     Preset(
+        "llama-3.1-70b-fp8-h200-tp1",
+        "Llama-3.1-70B, FP8 weights, BF16 KV, on 1 x H200 (the shape bench/device/ measures)",
+        LLAMA_3_1_70B_FP8,
+        H200,
+    ),
+    Preset(
         "llama-3.1-70b-fp8-h200-tp8",
         "Llama-3.1-70B, FP8 weights, BF16 KV, on 8 x H200 (tensor parallel)",
         LLAMA_3_1_70B_FP8,
