@@ -16,11 +16,18 @@ Example::
     blocks = pool.get_new_blocks(3)          # block ids 1, 2, 3
     pool.cache_full_block(blocks[0], h)      # findable by hash h
     pool.free_blocks(reversed(blocks))       # hashed blocks go to the tail, others to the front
+
+With ``enable_kv_cache_events`` the pool queues vLLM's KV events as vLLM's pool does: a
+``BlockRemoved`` when ``get_new_blocks`` evicts a cached block (one hash per event), an
+``AllBlocksCleared`` on a successful reset; ``BlockStored`` comes from the KV-cache manager when
+it caches full blocks. ``take_events`` hands them over once per engine step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
+from replicas.wire.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 __all__ = ["BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
 
@@ -28,13 +35,23 @@ __all__ = ["BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
 class KVCacheBlock:
     """One physical KV block."""
 
-    __slots__ = ("block_hash", "block_id", "is_null", "next_free_block", "prev_free_block", "ref_cnt")
+    __slots__ = (
+        "block_hash",
+        "block_id",
+        "ext_hash",
+        "is_null",
+        "next_free_block",
+        "prev_free_block",
+        "ref_cnt",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         # The chained hash of the block's tokens; set only when the block is full and cached.
         self.block_hash: int | None = None
+        # The hash KV events named it by (vLLM's scheme), while cached with events enabled.
+        self.ext_hash: int | None = None
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
@@ -160,7 +177,9 @@ class BlockPool:
     tables are append-only, as in vLLM); the map then holds both, and a lookup returns the first.
     """
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_gpu_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False
+    ) -> None:
         if num_gpu_blocks < 2:
             raise ValueError("a block pool needs at least 2 blocks (one is the null block)")
         self.num_gpu_blocks = num_gpu_blocks
@@ -173,6 +192,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.num_evictions = 0
+        self.kv_event_queue: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -198,6 +218,7 @@ class BlockPool:
             raise ValueError(f"cannot get {num_blocks} free blocks from the pool")
         ret = self.free_block_queue.popleft_n(num_blocks)
         cache = self.cached_block_hash_to_block
+        events = self.kv_event_queue
         for block in ret:
             h = block.block_hash
             if h is not None:
@@ -207,6 +228,9 @@ class BlockPool:
                     self.num_evictions += 1
                 else:
                     self._evict(block)
+                if events is not None and block.ext_hash is not None:
+                    events.append(BlockRemoved(block_hashes=[block.ext_hash], medium=MEDIUM_GPU, group_idx=0))
+                    block.ext_hash = None
             block.ref_cnt = 1
         return ret
 
@@ -276,7 +300,18 @@ class BlockPool:
         self.cached_block_hash_to_block = {}
         for block in self.blocks:
             block.block_hash = None
+            block.ext_hash = None
+        if self.kv_event_queue is not None:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events queued since the last call (empty when events are off)."""
+        events = self.kv_event_queue
+        if not events:
+            return []
+        self.kv_event_queue = []
+        return events
 
     def check_invariants(self) -> None:
         """Assert the pool's bookkeeping is consistent (tests call this after every step)."""

@@ -36,6 +36,7 @@ from replicas.sim.kv_cache_manager import KVCacheManager
 from replicas.sim.presets import Preset, get_preset
 from replicas.sim.request import Request, RequestStatus
 from replicas.sim.scheduler import Policy, Scheduler, SchedulerConfig, SchedulerOutput
+from replicas.wire.kv_events import BlockHasher, KVCacheEvent
 from replicas.wire.prom import Histogram, counter_family, gauge_family, histogram_family
 
 __all__ = ["EngineConfig", "LoRAAdapter", "SimEngine", "StepOutput"]
@@ -87,6 +88,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     check_invariants: bool = False
     engine_index: int = 0
+    enable_kv_cache_events: bool = False
+    prefix_caching_hash_algo: str = "sha256"
 
     @property
     def block_size(self) -> int:
@@ -107,6 +110,8 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         check_invariants: bool = False,
         engine_index: int = 0,
+        enable_kv_cache_events: bool = False,
+        prefix_caching_hash_algo: str = "sha256",
     ) -> EngineConfig:
         p = get_preset(preset) if isinstance(preset, str) else preset
         mnbt = max_num_batched_tokens or p.max_num_batched_tokens
@@ -133,6 +138,8 @@ class EngineConfig:
             enable_prefix_caching=enable_prefix_caching,
             check_invariants=check_invariants,
             engine_index=engine_index,
+            enable_kv_cache_events=enable_kv_cache_events,
+            prefix_caching_hash_algo=prefix_caching_hash_algo,
         )
 
 
@@ -221,13 +228,20 @@ class SimEngine:
         self.cost = self.preset.cost
         self.seed = seed
         self.block_size = cfg.block_size
-        self.block_pool = BlockPool(cfg.num_gpu_blocks, enable_caching=cfg.enable_prefix_caching)
+        events = cfg.enable_kv_cache_events and cfg.enable_prefix_caching
+        self.block_pool = BlockPool(
+            cfg.num_gpu_blocks, enable_caching=cfg.enable_prefix_caching, enable_kv_cache_events=events
+        )
         self.kv_cache_manager = KVCacheManager(
             self.block_pool,
             block_size=cfg.block_size,
             max_model_len=cfg.max_model_len,
             enable_caching=cfg.enable_prefix_caching,
+            hasher=BlockHasher(cfg.prefix_caching_hash_algo) if events else None,
         )
+        # Gets each step's KV events (``enable_kv_cache_events``): the server's publisher, or an
+        # in-process index in virtual time.
+        self.on_kv_events: Callable[[list[KVCacheEvent]], object] | None = None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=cfg.max_num_seqs,
@@ -282,9 +296,12 @@ class SimEngine:
             raise ValueError(f"prompt of {n} tokens exceeds the context length {mml}")
         pooling = self.preset.is_embedding
         lora_id = 0
+        hash_extra: tuple[tuple[str, ...], ...] | None = None
         if lora is not None:
-            lora_id = self.loras[lora].lora_id
-        return Request(
+            adapter = self.loras[lora]
+            lora_id = adapter.lora_id
+            hash_extra = (("lora", adapter.name, adapter.path),)  # vLLM's extra key of LoRA blocks
+        req = Request(
             request_id,
             num_prompt_tokens=n,
             max_tokens=max(1, min(max_tokens, mml - n)) if not pooling else 0,
@@ -298,6 +315,8 @@ class SimEngine:
             pooling=pooling,
             output_salt=output_salt,
         )
+        req.hash_extra = hash_extra
+        return req
 
     def add_request(self, request: Request, now: float) -> None:
         request.arrival_time = now
@@ -307,6 +326,16 @@ class SimEngine:
         """Abort a waiting or running request (client gone); its blocks are freed at once."""
         done = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         return done[0] if done else None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``/reset_prefix_cache``); refused (False) while any
+        request holds blocks. Its ``AllBlocksCleared`` goes out with the next step's events."""
+        return self.block_pool.reset_prefix_cache()
+
+    def _flush_kv_events(self) -> None:
+        events = self.block_pool.take_events()
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events)
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
@@ -377,6 +406,8 @@ class SimEngine:
         for r in finished:
             self._record_finished(r, now)
         self._update_lora_info()
+        if self.block_pool.kv_event_queue is not None:
+            self._flush_kv_events()  # one batch per step, as vLLM publishes
         return produced, finished
 
     def _first_output(self, r: Request, now: float) -> None:
@@ -473,6 +504,8 @@ class SimEngine:
         m.read_bytes += read
         m.write_bytes += write
         self.scheduler.fast_forward(k)
+        if self.block_pool.kv_event_queue is not None:
+            self._flush_kv_events()  # k steps' events in one batch
         for r in self.scheduler.running:
             r.last_token_time = t_end
         self.num_steps += k
@@ -789,7 +822,7 @@ class SimEngine:
             "num_gpu_blocks": str(cfg.num_gpu_blocks),
             "num_gpu_blocks_override": "None",
             "prefix_cache_retention_interval": "0",
-            "prefix_caching_hash_algo": "sha256",
+            "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
             "prefix_match_unit": "None",
             "replayssm_buffer_len": "16",
             "skip_page_size_padded": "None",

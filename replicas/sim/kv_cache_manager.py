@@ -17,12 +17,19 @@ Example::
     hit_blocks, hit_tokens = kv.get_computed_blocks(req)
     if kv.allocate_slots(req, req.num_tokens - hit_tokens, hit_tokens, hit_blocks) is None:
         ...  # does not fit now
+
+With KV events on (the pool queues them and ``hasher`` is given), caching full blocks queues one
+``BlockStored`` per call that caches new blocks, as vLLM's ``cache_full_blocks`` does: their
+hashes in vLLM's scheme (:class:`~replicas.wire.kv_events.BlockHasher`, published as 64-bit
+ints), the parent's, their token ids, the block size and the LoRA adapter. A trace request
+(hashes without token ids) publishes its own hashes and no token ids.
 """
 
 from __future__ import annotations
 
 from replicas.sim.block_pool import BlockPool, KVCacheBlock
 from replicas.sim.request import Request, RequestStatus
+from replicas.wire.kv_events import MEDIUM_GPU, BlockHasher, BlockStored, external_hash
 
 __all__ = ["KVCacheManager"]
 
@@ -40,8 +47,10 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         watermark: float = 0.0,
+        hasher: BlockHasher | None = None,
     ) -> None:
         self.block_pool = block_pool
+        self.hasher = hasher
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -133,10 +142,13 @@ class KVCacheManager:
         blocks = self.req_to_blocks[rid]
         pool = self.block_pool
         cache = pool.cached_block_hash_to_block
+        first_new = -1
         for i in range(done, num_full):
             b = blocks[i]
             if b.block_hash is not None:
                 continue  # a prefix hit: already cached
+            if first_new < 0:
+                first_new = i
             h = hashes[i]
             if h in cache:
                 pool.cache_full_block(b, h)  # a duplicate: the map keeps both
@@ -144,6 +156,46 @@ class KVCacheManager:
                 b.block_hash = h
                 cache[h] = b
         self.num_cached_block[rid] = num_full
+        if first_new >= 0 and pool.kv_event_queue is not None:
+            self._stored(request, blocks, first_new, num_full)
+
+    def _stored(self, request: Request, blocks: list[KVCacheBlock], first: int, end: int) -> None:
+        """Queue the ``BlockStored`` of blocks ``[first, end)``, newly cached."""
+        queue = self.block_pool.kv_event_queue
+        assert queue is not None
+        bs = self.block_size
+        hasher = self.hasher
+        ids: list[int] = []
+        if hasher is not None and request.prompt_token_ids is not None:
+            digests = request.ext_digests
+            parent = digests[-1] if digests else None
+            for i in range(len(digests), end):
+                toks = request.token_ids(i * bs, (i + 1) * bs)
+                parent = hasher.hash_block(parent, toks, request.hash_extra)
+                digests.append(parent)
+            ext = [external_hash(d) for d in digests[first:end]]
+            parent_ext = external_hash(digests[first - 1]) if first > 0 else None
+            ids = request.token_ids(first * bs, end * bs)
+        else:
+            ext = [h & 0xFFFF_FFFF_FFFF_FFFF for h in request.block_hashes[first:end]]
+            parent_ext = request.block_hashes[first - 1] & 0xFFFF_FFFF_FFFF_FFFF if first > 0 else None
+        for i, b in enumerate(blocks[first:end]):
+            b.ext_hash = ext[i]
+        n = end - first
+        queue.append(
+            BlockStored(
+                block_hashes=list(ext),
+                parent_block_hash=parent_ext,
+                token_ids=ids,
+                block_size=bs,
+                lora_id=request.lora_id or None,
+                medium=MEDIUM_GPU,
+                lora_name=request.lora_name if request.lora_id else None,
+                extra_keys=[(request.lora_name,) if request.lora_id else None] * n,
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
+            )
+        )
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so the tail of a chain is evicted first."""

@@ -77,8 +77,10 @@ class Request:
         "arrival_time",
         "block_hashes",
         "block_size",
+        "ext_digests",
         "first_scheduled_time",
         "first_token_time",
+        "hash_extra",
         "last_token_time",
         "lora_id",
         "lora_name",
@@ -138,6 +140,10 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.user_data: object = None
+        # KV events (when the engine publishes them): vLLM's block digests of this request, and
+        # the extra keys vLLM hashes into every block (a LoRA's ("lora", name, path)).
+        self.ext_digests: list[bytes] = []
+        self.hash_extra: tuple[tuple[str, ...], ...] | None = None
         self.prompt_token_ids: list[int] | None = list(prompt_token_ids) if prompt_token_ids else None
         # Output token ids are kept only when the prompt is given as tokens (the HTTP server).
         self.output_token_ids: list[int] | None = [] if prompt_token_ids is not None else None
@@ -181,6 +187,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Prompt and output token ids ``[start, end)`` (empty for a trace request, whose ids are
+        not materialised)."""
+        prompt = self.prompt_token_ids
+        out = self.output_token_ids
+        if prompt is None or out is None:
+            return []
+        n = len(prompt)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return out[start - n : end - n]
+        return prompt[start:] + out[: end - n]
 
     def ensure_block_hashes(self, num_full_blocks: int) -> list[int]:
         """Hash the full blocks up to ``num_full_blocks`` (output blocks are hashed when they fill)."""

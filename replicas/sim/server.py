@@ -10,7 +10,13 @@ Routes (as vLLM 0.33 registers them for the preset's kind of model): ``POST
 /v1/chat/completions`` and ``/v1/completions`` (generative presets) or ``/v1/embeddings``
 (embedding presets), ``GET /v1/models``, ``/health``, ``/metrics``, ``/version``, ``POST
 /tokenize``, ``/detokenize``, and ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``
-(unless runtime LoRA updating is off). Bad input gets vLLM's status codes and error shape.
+(unless runtime LoRA updating is off), ``GET /kv_event_sources``, and ``POST /reset_prefix_cache``
+(only in dev mode, ``VLLM_SERVER_DEV_MODE=1``, as vLLM). Bad input gets vLLM's status codes and
+error shape.
+
+With ``kv_events`` (vLLM's ``--kv-events-config``) the engine's block pool publishes vLLM's KV
+events on a ZMQ PUB socket with a replay socket (:mod:`replicas.wire.kv_events`): one batch per
+step that cached or evicted blocks, block hashes in vLLM's scheme for the same token ids.
 
 Example::
 
@@ -45,7 +51,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from replicas.sim.engine import SimEngine, StepOutput
 from replicas.sim.request import Request, RequestStatus
-from replicas.sim.tokenizer import AnswerKey, SimTokenizer, TextModel, load_tokenizer, stable_hash
+from replicas.sim.tokenizer import (
+    AnswerKey,
+    SimTokenizer,
+    TextModel,
+    flatten_messages,
+    load_tokenizer,
+    stable_hash,
+)
+from replicas.wire.kv_events import HASH_ALGOS, KVEventPublisher, KVEventsConfig
 from replicas.wire.prom import Histogram, counter_family, gauge_family, histogram_family, summary_family
 
 __all__ = ["ServerConfig", "SimServer", "serve"]
@@ -90,6 +104,9 @@ class ServerConfig:
     max_n: int = 16
     api_key: str | None = None
     root: str | None = None  # what /v1/models shows as the base model's root
+    kv_events: KVEventsConfig | None = None  # vLLM's --kv-events-config
+    prefix_caching_hash_algo: str = "sha256"
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: /reset_prefix_cache
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
@@ -100,6 +117,8 @@ class ServerConfig:
             raise ValueError("accuracy must be within [0, 1]")
         if self.scheduling_policy not in ("priority", "fcfs"):
             raise ValueError("scheduling_policy must be 'priority' or 'fcfs'")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}")
 
 
 # -- request bodies (validated once per request, as vLLM's pydantic models do) ------------------
@@ -516,7 +535,10 @@ class SimServer:
             num_gpu_blocks=cfg.num_gpu_blocks,
             policy=cfg.scheduling_policy,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_kv_cache_events=cfg.kv_events is not None and cfg.kv_events.enabled,
+            prefix_caching_hash_algo=cfg.prefix_caching_hash_algo,
         )
+        self.publisher: KVEventPublisher | None = None
         self.max_model_len = self.engine.config.max_model_len
         self.embedding = self.engine.preset.is_embedding
         self.http_metrics = _HTTPMetrics()
@@ -545,7 +567,10 @@ class SimServer:
             ("GET", "/v1/models"): self._models,
             ("POST", "/tokenize"): self._tokenize,
             ("POST", "/detokenize"): self._detokenize,
+            ("GET", "/kv_event_sources"): self._kv_event_sources,
         }
+        if cfg.dev_mode:
+            self.routes[("POST", "/reset_prefix_cache")] = self._reset_prefix_cache
         if self.embedding:
             self.routes[("POST", "/v1/embeddings")] = self._embeddings
         else:
@@ -638,7 +663,23 @@ class SimServer:
                 return
 
     def start(self) -> None:
-        """Start the engine task on the running loop (uvicorn's lifespan calls this)."""
+        """Start the engine task on the running loop (uvicorn's lifespan calls this), and the KV
+        event publisher when configured."""
+        kv = self.config.kv_events
+        if (
+            self.publisher is None
+            and kv is not None
+            and kv.enabled
+            and self.engine.block_pool.kv_event_queue is not None
+        ):
+            self.publisher = KVEventPublisher.from_config(kv)
+            publisher = self.publisher
+            self.engine.on_kv_events = publisher.publish
+            log.info(
+                "tidal sim: KV events on %s (replay %s)",
+                self.publisher.endpoint,
+                self.publisher.replay_endpoint,
+            )
         if self._loop_task is None:
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop())
@@ -649,6 +690,10 @@ class SimServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
+        if self.publisher is not None:
+            self.engine.on_kv_events = None
+            self.publisher.close()
+            self.publisher = None
 
     # -- the engine task -------------------------------------------------------------------------
 
@@ -862,6 +907,24 @@ class SimServer:
             return await _respond(call.send, 503, b"", [])
         return await _respond(call.send, 200, b"", [])
 
+    async def _kv_event_sources(self, call: _Call) -> tuple[int, int]:
+        # vLLM: the publisher config per data-parallel rank; {} when there is none.
+        out: dict[str, Any] = {}
+        kv, pub = self.config.kv_events, self.publisher
+        if kv is not None and pub is not None:
+            cfg = json.loads(kv.to_json())
+            cfg["publisher"] = "zmq"
+            if kv.endpoint.endswith(":0"):
+                cfg["endpoint"] = pub.endpoint  # an ephemeral port, as bound
+            if kv.replay_endpoint is not None and kv.replay_endpoint.endswith(":0"):
+                cfg["replay_endpoint"] = pub.replay_endpoint
+            out["0"] = cfg
+        return await _respond(call.send, 200, json.dumps(out).encode(), _JSON)
+
+    async def _reset_prefix_cache(self, call: _Call) -> tuple[int, int]:
+        ok = self.engine.reset_prefix_cache()
+        return await _respond(call.send, 200, json.dumps({"success": ok}).encode(), _JSON)
+
     async def _version(self, call: _Call) -> tuple[int, int]:
         return await _respond(call.send, 200, json.dumps({"version": SIM_VERSION}).encode(), _JSON)
 
@@ -941,7 +1004,7 @@ class SimServer:
             text = req.prompt
         else:
             raise _bad_request("Either `prompt` or `messages` must be given.", "prompt")
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text) if req.messages is not None else self.tokenizer.encode_prompt(text)
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}
         return await _respond(call.send, 200, json.dumps(out, separators=(",", ":")).encode(), _JSON)
 
@@ -1029,7 +1092,7 @@ class SimServer:
         p = prompts[0]
         key_prompt: str | None = None
         if isinstance(p, str):
-            prompt_ids = self.tokenizer.encode(p)
+            prompt_ids = self.tokenizer.encode_prompt(p)  # with the tokenizer's BOS, as vLLM
             key_prompt = p
         else:
             prompt_ids = p
@@ -1312,15 +1375,10 @@ def _prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[s
 
 
 def _message_dict(m: _Message) -> dict[str, Any]:
-    content = m.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad_request("Only text content parts are supported by this model.", "messages")
-            texts.append(part["text"])
-        content = "".join(texts)
-    return {"role": m.role, "content": content or ""}
+    try:
+        return flatten_messages([{"role": m.role, "content": m.content}])[0]
+    except ValueError as exc:
+        raise _bad_request(str(exc), "messages") from None
 
 
 def _embedding(ids: list[int], dim: int, seed: int) -> list[float]:

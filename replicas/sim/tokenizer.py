@@ -39,6 +39,7 @@ __all__ = [
     "SimTokenizer",
     "TextModel",
     "WordTokenizer",
+    "flatten_messages",
     "load_tokenizer",
     "stable_hash",
 ]
@@ -214,6 +215,8 @@ class SimTokenizer(Protocol):
 
     def encode(self, text: str, *, remember: bool = False) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]: ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def token_text(self, token_id: int) -> str: ...
@@ -221,6 +224,29 @@ class SimTokenizer(Protocol):
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str: ...
 
     def answer_token_ids(self) -> Sequence[int]: ...
+
+
+def flatten_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Chat messages as a chat template sees them: role and text; a content made of text parts
+    is joined with newlines, as vLLM does. Raises ``ValueError`` for a non-text part."""
+    out: list[dict[str, str]] = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if (
+                    not isinstance(part, Mapping)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise ValueError("Only text content parts are supported by this model.")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        out.append(
+            {"role": str(m.get("role", "user")), "content": content if isinstance(content, str) else ""}
+        )
+    return out
 
 
 def _chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -270,6 +296,10 @@ class WordTokenizer:
             if remember and len(self._learned) < _MAX_LEARNED:
                 self._learned.setdefault(tid, chunk)
             out.append(tid)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt's ids (the built-in tokenizer adds no special tokens)."""
+        return self.encode(text)
 
     def encode(self, text: str, *, remember: bool = False) -> list[int]:
         """Token ids of ``text``; ``remember`` keeps hashed pieces decodable (answer texts)."""
@@ -342,6 +372,14 @@ class HFTokenizer:
         eos = config.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
+        bos = config.get("bos_token")
+        if isinstance(bos, dict):
+            bos = bos.get("content")
+        # What templates may reference besides the messages (Llama's start with {{ bos_token }}).
+        self._template_vars = {
+            "bos_token": bos if isinstance(bos, str) else "",
+            "eos_token": eos if isinstance(eos, str) else "",
+        }
         eos_id = self._tok.token_to_id(eos) if isinstance(eos, str) else None
         self.eos_token_id = int(eos_id) if eos_id is not None else 0
         self._specials = {
@@ -356,7 +394,12 @@ class HFTokenizer:
         self._answer_ids = words[:512] or sorted(vocab.values())[:512]
 
     def encode(self, text: str, *, remember: bool = False) -> list[int]:
+        """Ids of ``text`` alone (a rendered chat prompt: its template places the special tokens)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt's ids with the tokenizer's special tokens (a BOS), as vLLM encodes it."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
@@ -371,7 +414,9 @@ class HFTokenizer:
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
         if self._template is None:
             return _chatml(messages)
-        return str(self._template.render(messages=list(messages), add_generation_prompt=True))
+        return str(
+            self._template.render(messages=list(messages), add_generation_prompt=True, **self._template_vars)
+        )
 
     def answer_token_ids(self) -> Sequence[int]:
         return self._answer_ids

@@ -21,6 +21,8 @@ Examples:
   tidal sim --preset llama-3.1-8b-h100 --port 8000 --served-model-name llama-3.1-8b-instruct
   tidal sim --preset tiny-cpu --port 8001 --served-model-name tiny --tokenizer /tmp/tiny/model
   tidal sim --preset fast-test --port 8002 --time-scale 10
+  tidal sim --preset tiny-cpu --port 8003 --kv-events-endpoint 'tcp://*:5557' \\
+            --kv-events-replay-endpoint 'tcp://*:5558'
   tidal sim --list-presets
   tidal sim calibrate --json
 
@@ -34,7 +36,10 @@ Fault and quality injection (for canary and health tests):
 
 Times in /metrics are model seconds (wall seconds times --time-scale). LoRA adapters loaded
 with /v1/load_lora_adapter occupy up to --max-loras slots; their lora_path is recorded, never
-read. A request that sets max_tokens gets exactly that many tokens (unless --natural-stop-always);
+read. KV-cache events (--kv-events-endpoint, or vLLM's --kv-events-config JSON) are published as
+vLLM publishes them: ZMQ PUB with a replay ROUTER, msgpack batches of BlockStored/BlockRemoved/
+AllBlocksCleared, block hashes in vLLM's scheme (--prefix-caching-hash-algo, seeded from
+PYTHONHASHSEED as vLLM). VLLM_SERVER_DEV_MODE=1 adds POST /reset_prefix_cache. A request that sets max_tokens gets exactly that many tokens (unless --natural-stop-always);
 one without max_tokens ends, like a real model, after a log-normal number of tokens around
 --output-len-median (finish_reason "stop") instead of running to the context length."""
 
@@ -146,6 +151,25 @@ one without max_tokens ends, like a real model, after a log-normal number of tok
 @click.option(
     "--api-key", default=None, envvar="VLLM_API_KEY", help="Require `Authorization: Bearer KEY` on /v1."
 )
+@click.option(
+    "--kv-events-config",
+    default=None,
+    help="vLLM's KV events config as JSON (enable_kv_cache_events, endpoint, replay_endpoint, topic, ...).",
+)
+@click.option(
+    "--kv-events-endpoint",
+    default=None,
+    help="Publish KV events on this ZMQ address (tcp://*:PORT binds; shorthand for --kv-events-config).",
+)
+@click.option("--kv-events-replay-endpoint", default=None, help="ZMQ address of the KV-event replay socket.")
+@click.option("--kv-events-topic", default="", show_default=True, help="Topic of the KV events.")
+@click.option(
+    "--prefix-caching-hash-algo",
+    type=click.Choice(["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]),
+    default="sha256",
+    show_default=True,
+    help="Block hash algorithm (vLLM's flag): what KV events name blocks by.",
+)
 @click.pass_context
 def sim(
     ctx: click.Context,
@@ -172,6 +196,11 @@ def sim(
     natural_stop_always: bool,
     max_num_queued_reqs: int,
     api_key: str | None,
+    kv_events_config: str | None,
+    kv_events_endpoint: str | None,
+    kv_events_replay_endpoint: str | None,
+    kv_events_topic: str,
+    prefix_caching_hash_algo: str,
 ) -> None:
     from replicas.sim.presets import PRESETS
 
@@ -187,9 +216,31 @@ def sim(
         raise click.BadParameter(
             f"unknown preset {preset!r} (known: {', '.join(PRESETS)})", param_hint="--preset"
         )
+    import os
+
     from replicas.sim.server import ServerConfig, serve
+    from replicas.wire.kv_events import KVEventsConfig
 
     try:
+        if kv_events_config is not None and (kv_events_endpoint or kv_events_replay_endpoint):
+            raise ValueError("give --kv-events-config or --kv-events-endpoint, not both")
+        kv: KVEventsConfig | None = None
+        if kv_events_config is not None:
+            kv = KVEventsConfig.from_json(kv_events_config)
+        elif kv_events_endpoint is not None:
+            kv = KVEventsConfig.from_json(
+                json.dumps(
+                    {
+                        "enable_kv_cache_events": True,
+                        "publisher": "zmq",
+                        "endpoint": kv_events_endpoint,
+                        "replay_endpoint": kv_events_replay_endpoint,
+                        "topic": kv_events_topic,
+                    }
+                )
+            )
+        elif kv_events_replay_endpoint is not None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         config = ServerConfig(
             preset=preset,
             served_model_names=list(served_model_names),
@@ -211,6 +262,9 @@ def sim(
             natural_stop_always=natural_stop_always,
             max_num_queued_reqs=max_num_queued_reqs,
             api_key=api_key,
+            kv_events=kv,
+            prefix_caching_hash_algo=prefix_caching_hash_algo,
+            dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"),
         )
         level = logging.getLogger().getEffectiveLevel()
         serve(config, host=host, port=port, log_level="info" if level <= logging.INFO else "warning")
