@@ -25,13 +25,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from priority.capacity import AdaptiveCap
 from replicas.metrics import LoadSnapshot
 from router.types import ReplicaView
 from tidal.clock import Clock
 from tidal.fleet import FleetConfig, PoolSpec
+
+if TYPE_CHECKING:
+    from router.kv_events import ReplicaBlockIndex
 
 __all__ = ["Abortable", "ReplicaRegistry", "ReplicaState"]
 
@@ -74,6 +77,7 @@ class ReplicaState:
     requests: int = 0
     errors: int = 0
     removed: bool = False
+    kv_events: ReplicaBlockIndex | None = None  # its exact KV index, when it publishes events
 
     @property
     def routable(self) -> bool:
@@ -101,6 +105,7 @@ class ReplicaState:
             prefill_tokens=self.prefill_tokens + self.remote_prefill_tokens,
             finished_since_snapshot=self.finished_since_snapshot,
             region=self.region,
+            kv_events=self.kv_events,
         )
 
 

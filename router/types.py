@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from replicas.metrics import LoadSnapshot
+
+if TYPE_CHECKING:
+    from router.kv_events import ReplicaBlockIndex
 
 __all__ = ["CycleState", "ReplicaView", "RouteRequest", "RouteResult", "StateKey"]
 
@@ -30,7 +34,9 @@ class ReplicaView:
     there);
     ``snapshot`` is the last scraped ``/metrics`` (``snapshot_age_s`` old), which also carries
     other gateways' traffic; ``finished_since_snapshot`` counts the requests this gateway has seen
-    end there since that scrape (the snapshot still counts them).
+    end there since that scrape (the snapshot still counts them). ``kv_events`` is the replica's
+    exact block index from its KV events (:mod:`router.kv_events`), when it publishes them: a live
+    object (the subscriber updates it between decisions, never during one).
     """
 
     name: str
@@ -49,6 +55,7 @@ class ReplicaView:
     prefill_tokens: int = 0
     finished_since_snapshot: int = 0
     region: str | None = None  # its pool's region
+    kv_events: ReplicaBlockIndex | None = None
 
     @property
     def load(self) -> float:
@@ -85,6 +92,9 @@ class RouteRequest:
       characters of chat text; 512 for a Mooncake trace block).
     * ``session_key`` -- ``X-Session-Id`` or the request's ``user``, if any.
     * ``regions`` -- the regions whose replicas may serve it (its feature's); ``None``: any.
+    * ``engine_keys`` -- the prompt's block keys as the exact KV index names them, per block size
+      (:class:`router.kv_events.PromptKeys`, computed on first use); ``None`` when the gateway
+      cannot tokenise for this model.
     """
 
     model: str
@@ -96,6 +106,7 @@ class RouteRequest:
     prompt_tokens: int = 0
     request_id: str = ""
     regions: frozenset[str] | None = None
+    engine_keys: Callable[[int], tuple[int, ...]] | None = None
 
 
 class StateKey(Generic[T]):

@@ -20,10 +20,21 @@ were not cached (a moving average over the last ``share_window`` picks there): t
 counts a replica's queued prefill in whole prompts, and this turns it into work. After the pick
 it inserts the prompt's blocks into the picked replica's index.
 
+**Exact, where replicas push.** A candidate whose view carries a KV-event index
+(:mod:`router.kv_events`) proven current within ``max_staleness_s`` gets :data:`CACHED_TOKENS`
+from it instead: the prompt's leading blocks (keyed by its token ids, ``RouteRequest.engine_keys``)
+that the engine's cache holds, plus what this gateway sent there in the last ``pending_s``
+seconds (routed, not yet scheduled: its blocks are not in the events yet). An index that has not
+followed the replica since its cache was empty holds a subset of it; then the larger of it and
+the estimate counts. A replica that publishes nothing, a stream older than the bound, or a model
+the gateway cannot tokenise, gets the estimate -- never a picture older than the bound. The
+decision's notes say ``kv_index``: ``exact``, ``estimate`` or ``mixed`` over the candidates.
+
 Parameters: ``capacity_tokens`` (1,048,576: the KV size assumed before a replica's first scrape),
 ``max_blocks_per_replica`` (524,288: a hard bound on the index's memory whatever a replica
 reports), ``max_prefix_blocks`` (4096: blocks of one prompt matched and indexed),
-``share_window`` (32).
+``share_window`` (32), ``max_staleness_s`` (2.0: the bound on the exact index's age),
+``pending_s`` (5.0).
 
 Config example::
 
@@ -44,7 +55,15 @@ from router.framework import PluginKind
 from router.plugins.base import PluginParams, parse_params
 from router.types import CycleState, ReplicaView, RouteRequest, StateKey
 
-__all__ = ["CACHED_TOKENS", "KV_INDEX_TYPE", "TAIL_AGE", "UNCACHED_SHARE", "KVIndex", "leading_run"]
+__all__ = [
+    "CACHED_TOKENS",
+    "KV_INDEX_TYPE",
+    "TAIL_AGE",
+    "UNCACHED_SHARE",
+    "KVIndex",
+    "leading_run",
+    "recent_run",
+]
 
 KV_INDEX_TYPE = "kv-index"
 CACHED_TOKENS: StateKey[dict[str, int]] = StateKey(KV_INDEX_TYPE)
@@ -57,6 +76,8 @@ class Params(PluginParams):
     max_blocks_per_replica: int = Field(default=1 << 19, ge=1, le=1 << 26)
     max_prefix_blocks: int = Field(default=4096, ge=1, le=1 << 20)
     share_window: int = Field(default=32, ge=1, le=1 << 20)
+    max_staleness_s: float = Field(default=2.0, gt=0.0, le=3600.0)
+    pending_s: float = Field(default=5.0, ge=0.0, le=3600.0)
 
 
 def leading_run(held: Mapping[int, Any], blocks: Sequence[int]) -> int:
@@ -70,6 +91,18 @@ def leading_run(held: Mapping[int, Any], blocks: Sequence[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def recent_run(held: Mapping[int, float], blocks: Sequence[int], since: float) -> int:
+    """How many of ``blocks`` lead the sequence inside ``held`` with a last use at or after
+    ``since``."""
+    n = 0
+    for b in blocks:
+        t = held.get(b)
+        if t is None or t < since:
+            break
+        n += 1
+    return n
 
 
 class KVIndex:
@@ -107,13 +140,35 @@ class KVIndex:
         empty: OrderedDict[int, float] = OrderedDict()
         cached: dict[str, int] = {}
         tail_age: dict[str, float] = {}
+        now = state.now
+        engine_keys = request.engine_keys
+        exact = 0
         for c in candidates:
             lru = self._lru.get(c.name, empty)
-            cached[c.name] = min(tokens, leading_run(lru, blocks) * bt) if blocks else 0
+            est = min(tokens, leading_run(lru, blocks) * bt) if blocks else 0
+            idx = c.kv_events
+            if idx is not None and engine_keys is not None and now - idx.as_of <= self.params.max_staleness_s:
+                bs = idx.block_size
+                hit = idx.leading(engine_keys(bs)) * bs if bs and len(idx) else 0
+                if idx.complete:
+                    sent = (
+                        min(tokens, recent_run(lru, blocks, now - self.params.pending_s) * bt)
+                        if blocks
+                        else 0
+                    )
+                    est = max(hit, sent)
+                else:
+                    est = max(hit, est)
+                exact += 1
+            cached[c.name] = est
             if len(lru) < self.capacity(c, bt):
                 tail_age[c.name] = math.inf
             else:
-                tail_age[c.name] = max(0.0, state.now - next(iter(lru.values())))
+                tail_age[c.name] = max(0.0, now - next(iter(lru.values())))
+        if candidates:
+            state.notes["kv_index"] = (
+                "exact" if exact == len(candidates) else "estimate" if exact == 0 else "mixed"
+            )
         state.put(CACHED_TOKENS, cached)
         state.put(TAIL_AGE, tail_age)
         share: dict[str, float] = {}
