@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "bench": "tidal.cli.bench:bench",
     "fleet": "tidal.cli.fleet:fleet",
     "keys": "tidal.cli.keys:keys",
+    "plan": "tidal.cli.plan:plan",
 }
 
 
