@@ -16,7 +16,9 @@ Config::
 ``tidal`` -- predictive + warm buffer + reactive: replicas for the peak forecast over the next
 cold start (``lookahead_s``), times ``1 + warm_buffer``, never fewer than the reactive answer
 (with the same buffer); scale-down only in troughs, i.e. when the forecast over
-``trough_horizon_s`` says the load is not coming back. Config::
+``trough_horizon_s`` says the load is not coming back. An answer above the forecast (a burst, a
+breach) holds the pool up for ``lookahead_s`` only, not the whole stabilisation window: the
+forecast keeps what the expected load needs. Config::
 
     autoscale: {policy: tidal, warm_buffer: 0.12, parameters: {lookahead_s: 240}}
 """
@@ -73,6 +75,9 @@ class ScaleDecision:
     reason: str
     trough: bool
     parts: Mapping[str, float] = field(default_factory=dict)
+    # How long this answer holds the pool up once the pool may shrink (None: the pool's
+    # scale_down_stabilisation_s; the autoscaler never holds longer than that).
+    hold_s: float | None = None
 
 
 class ScalePolicy(Protocol):
@@ -199,6 +204,10 @@ class TidalPolicy:
             replicas=want,
             reason=reason,
             trough=trough,
+            # Replicas for load above a forecast (a burst, a breach) are kept as long as it takes
+            # to start new ones, not a whole stabilisation window: the forecast, not the window,
+            # holds the pool up for the load that is expected. Without a forecast the window does.
+            hold_s=lookahead if predicted is not None and want > predictive else None,
             parts={
                 "observed_rps": rps,
                 "predicted_rps": predicted if predicted is not None else math.nan,

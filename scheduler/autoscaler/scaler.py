@@ -88,7 +88,8 @@ class Autoscaler:
         # Whether the pool is lent to batch right now (the batch gate is open), if known.
         self.lent_to_batch = lent_to_batch or (lambda pool: False)
         self.target: int | None = None
-        self._window: deque[tuple[float, int]] = deque()
+        # (monotonic time, answer, how long it counts for scale-down)
+        self._window: deque[tuple[float, int, float]] = deque()
         self._sent: int | None = None
 
     def _forecast(self, start: float, end: float) -> float | None:
@@ -130,15 +131,19 @@ class Autoscaler:
         mono = self.clock.now()
         if self.target is None:
             # What runs at start counts as a recent answer: a restart must not shrink the pool at once.
-            self._window.append((mono, seen.total))
-        self._window.append((mono, desired))
+            self._window.append((mono, seen.total, spec.scale_down_stabilisation_s))
+        hold = spec.scale_down_stabilisation_s
+        if decision.hold_s is not None:
+            hold = min(hold, decision.hold_s)
+        self._window.append((mono, desired, hold))
         while self._window and mono - self._window[0][0] > spec.scale_down_stabilisation_s:
             self._window.popleft()
         current = self.target if self.target is not None else seen.total
         if desired >= current:
             target = desired  # fast up
         elif decision.trough:
-            target = max(v for _, v in self._window)  # slow down: the largest recent answer
+            # slow down: the largest recent answer (each counts for its hold)
+            target = max(v for t, v, h in self._window if mono - t <= h)
         else:
             target = current
         target = min(spec.max_replicas, max(spec.min_replicas, target))

@@ -146,6 +146,35 @@ async def test_the_tidal_policy_does_not_scale_down_before_a_forecast_peak() -> 
     assert all(not st.trough for st in steps if st.at > 3000.0 and st.desired < 10)
 
 
+async def test_replicas_for_a_burst_above_the_forecast_are_released_sooner_than_the_window() -> None:
+    # Given history saying 5 rps all hour (Thursday 00:00, hour 72), and 5 replicas serving it
+    clock = ManualClock(start=600.0)
+    pool = ColdStartPool(clock, ready=5)
+    profile = HourOfWeekProfile()
+    profile.fit([(t * 60.0, 5.0) for t in range(60)])
+    s = scaler(clock, pool, policy="tidal", forecaster=Forecaster(profile), learn=False)
+    await s.step(clock.now(), PoolLoad(requests_per_s=5.0))
+    # When a one-minute burst of 9 rps comes and goes
+    targets = []
+    for t in range(60):
+        clock.advance(15)
+        rps = 9.0 if t < 4 else 5.0
+        targets.append((await s.step(clock.now(), PoolLoad(requests_per_s=rps))).target)
+    # Then the pool grows for it at once, and shrinks back to the forecast's 5 once the
+    # lookahead (cold start + one decision, 195 s) has passed -- not the 600 s window
+    assert targets[0] == 9
+    back = targets.index(5)
+    assert 3 * 60 <= back * 15 <= 5 * 60 and targets[back:] == [5] * (60 - back)
+    # Without a forecast the window holds them, as for the reactive policy
+    blind = scaler(clock, ColdStartPool(clock, ready=5), policy="tidal", learn=False)
+    await blind.step(clock.now(), PoolLoad(requests_per_s=5.0))
+    held = []
+    for t in range(30):
+        clock.advance(15)
+        held.append((await blind.step(clock.now(), PoolLoad(requests_per_s=9.0 if t < 4 else 5.0))).target)
+    assert held[:20] == [9] * 20  # for the 600 s window
+
+
 async def test_bounds_hold_and_the_desired_gauge_follows_the_target() -> None:
     clock = ManualClock()
     pool = ColdStartPool(clock, ready=2)
