@@ -1,25 +1,32 @@
 """``tidal bench autoscale``: reactive-only vs predictive + warm buffer + reactive, over a week.
 
-A synthetic week of interactive load in virtual time: daily evening peaks (higher at the
-weekend), a scheduled event (a cricket final on Saturday afternoon, announced in the calendar),
-and one unannounced spike (Wednesday late morning); Poisson arrivals; a replica takes 3 minutes
-to start. Both runs use the product's own objects -- :class:`~scheduler.autoscaler.Autoscaler`
+A week of interactive load in virtual time, replayed for each workload: the **synthetic week**
+(daily evening peaks, higher at the weekend; a scheduled event -- a cricket final on Saturday
+afternoon, announced in the calendar; one unannounced spike on Wednesday late morning; Poisson
+arrivals) and, with ``--trace auto`` (the default) when ``../shared/traces`` has it, the **Azure
+conversation trace**: the same week shaped minute by minute by the trace's per-minute arrival
+counts (over their mean, cycled) and served at the trace's request lengths. A replica takes 3
+minutes to start. Every run uses the product's own objects -- :class:`~scheduler.autoscaler.Autoscaler`
 with the ``reactive`` or ``tidal`` policy plugin, the hour-of-week profile learned from three
-earlier weeks, the event calendar, and the :class:`~scheduler.gate.BatchGate` that lends idle
-replicas to batch -- against a fleet model in virtual time. Printed per policy: minutes whose
-TTFT p95 is above the target, GPU-hours, batch tokens done on the pool in its troughs, and the
-ratios against the reactive run; a plot goes to ``bench/results/autoscale.png``.
+earlier weeks (imported as per-minute rates through :mod:`scheduler.autoscaler.history`), the
+event calendar, and the :class:`~scheduler.gate.BatchGate` that lends idle replicas to batch.
 
-The fleet model (:class:`ReplicaModel`) is an analytic stand-in for the simulated replica's cost
-model: a replica serves ``capacity_rps`` within the TTFT target, degrades beyond it up to
-``saturation`` x that rate, and queues the rest. Its numbers are options
-(``--capacity-rps``...); a capacity measured on ``replicas.sim`` plugs in through the same
-interface.
+Replicas are sized with the **simulated replica's measured capacity**: for each workload, one
+replica of ``--preset`` is replayed in virtual time (:mod:`replicas.sim.capacity`) to find the
+requests/s it serves at the SLO (TTFT p95 <= 1 s, TPOT p95 <= 50 ms), and its TTFT p95, TPOT p95
+and KV usage at a ladder of rates around it; that measured curve is the fleet model
+(:class:`MeasuredReplicaModel`) and the measured capacity is what the autoscaler divides load
+by. (A week is tens of millions of requests; replaying each on simulated replicas would take
+hours, so the fleet's step-by-step behaviour is the replica's measured curve plus a queue.)
 
-Options: ``--trace FILE`` (or ``auto``: ``../shared/traces`` / ``TIDAL_TRACES_DIR``) multiplies
-the rate by the per-minute shape of a real trace (its arrival counts per minute over their mean,
-cycled), on top of the Poisson arrivals; ``--seed N``;
-``--cold-start-s S``; ``--capacity-rps R``; ``--peak-rps R``.
+Printed per workload and policy: minutes whose TTFT p95 or TPOT p95 is above the SLO, GPU-hours,
+batch tokens done on the pool in its troughs, and the ratios against the reactive run; plots go to
+``bench/results/autoscale.png`` (synthetic) and ``autoscale-<trace>.png``.
+
+Options: ``--trace auto|none|FILE``; ``--preset NAME``; ``--seed N``; ``--cold-start-s S``;
+``--peak-rps R``; ``--days D`` (from Monday; 7); ``--replay-s S`` (virtual seconds per replay
+when measuring the replica; 120); ``--fleet-model sim|analytic`` (``analytic``: the older
+stand-in replica with ``--capacity-rps``, for comparison).
 
 Example: tidal bench autoscale --quick
 """
@@ -29,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -38,6 +45,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from bench.traces import TraceRequest, block_hashes, find_trace, load_trace, synthetic_workload
+from replicas.sim.capacity import Slo, WorkloadRequest, measure_capacity, replay
 from scheduler.autoscaler import (
     Autoscaler,
     EventCalendar,
@@ -48,13 +57,22 @@ from scheduler.autoscaler import (
     StaticCapacity,
     make_policy,
 )
+from scheduler.autoscaler.history import read_history
 from scheduler.gate import BatchGate, GateSample, GateState
 from scheduler.metrics import SchedulerMetrics
 from scheduler.signals import PoolLoad
 from tidal.clock import ManualClock
 from tidal.fleet import AutoscalerSpec, GateSpec
 
-__all__ = ["FleetModel", "ReplicaModel", "Workload", "run", "simulate", "synthetic_week"]
+__all__ = [
+    "FleetModel",
+    "MeasuredReplicaModel",
+    "ReplicaModel",
+    "Workload",
+    "run",
+    "simulate",
+    "synthetic_week",
+]
 
 POOL = "interactive"
 WEEK_START = datetime(2026, 3, 2, tzinfo=UTC).timestamp()  # a Monday, 00:00 UTC
@@ -75,6 +93,9 @@ class FleetModel(Protocol):
     def ttft_target_s(self) -> float: ...
 
     @property
+    def tpot_target_s(self) -> float: ...
+
+    @property
     def ttft_idle_s(self) -> float: ...
 
     def step(self, n: int, arrivals: float, dt: float, backlog: float, batch_on: bool) -> StepOutcome: ...
@@ -87,6 +108,7 @@ class StepOutcome:
     kv_usage: float
     backlog: float
     batch_tokens: float
+    tpot_p95_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +120,14 @@ class ReplicaModel:
     saturated rate wait in the gateway's queue. KV usage is ``kv_at_capacity`` x utilisation,
     plus ``batch_kv`` while batch work runs (which also slows interactive steps by
     ``batch_interference``). Batch gets the unused share of each replica at
-    ``batch_tokens_per_s``.
+    ``batch_tokens_per_s``. Its constants are chosen, not measured: ``--fleet-model analytic``
+    keeps it for comparison with :class:`MeasuredReplicaModel`.
     """
 
     capacity_rps: float = 8.0
     ttft_idle_s: float = 0.25
     ttft_target_s: float = 1.0
+    tpot_target_s: float = math.inf  # it has no TPOT
     saturation: float = 1.3
     kv_at_capacity: float = 0.8
     batch_kv: float = 0.2
@@ -127,6 +151,112 @@ class ReplicaModel:
         return StepOutcome(ttft + wait, wait, kv, backlog, batch)
 
 
+@dataclass(frozen=True)
+class MeasuredReplicaModel:
+    """One replica as the simulated replica behaves, measured by replaying a workload on it.
+
+    ``capacity_rps`` is the largest Poisson rate whose replay keeps TTFT p95 and TPOT p95 within
+    the SLO (:func:`replicas.sim.capacity.measure_capacity`); ``utilisation`` (rate over
+    capacity) with ``ttft_p95``, ``tpot_p95`` and ``kv_usage`` is the replica's measured curve at
+    a ladder of rates; ``saturation`` is the most completions per second any replay sustained,
+    over capacity. A pool of ``n`` replicas serves up to ``n x capacity x saturation`` requests/s
+    (the rest waits in the gateway's queue) and each replica sees the curve at the pool's
+    utilisation, as with a balanced router. While batch is lent the pool, batch work fills each
+    replica up to its capacity: interactive requests see the curve at utilisation 1 (at least),
+    and batch gets ``(1 - utilisation) x capacity`` requests/s of ``tokens_per_request`` output
+    tokens.
+    """
+
+    preset: str
+    workload: str
+    capacity_rps: float
+    ttft_target_s: float
+    tpot_target_s: float
+    utilisation: tuple[float, ...]
+    ttft_p95: tuple[float, ...]
+    tpot_p95: tuple[float, ...]
+    kv_usage: tuple[float, ...]
+    saturation: float
+    tokens_per_request: float
+
+    @property
+    def ttft_idle_s(self) -> float:
+        return self.ttft_p95[0]
+
+    @classmethod
+    def measure(
+        cls,
+        preset: str,
+        workload: Sequence[WorkloadRequest],
+        slo: Slo,
+        *,
+        label: str,
+        duration_s: float = 120.0,
+        rel_tol: float = 0.02,
+        ladder: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.85, 0.95, 1.1, 1.25),
+        seed: int = 0,
+    ) -> MeasuredReplicaModel:
+        """Measure the capacity, then replay at ``ladder`` x capacity (the bisection's own
+        replays are points of the curve too)."""
+        cap = measure_capacity(preset, workload, slo, duration_s=duration_s, rel_tol=rel_tol, seed=seed)
+        points = {round(p.rate_rps, 9): p for p in cap.points}
+        for u in ladder:
+            rate = u * cap.rps_at_slo
+            if all(abs(r / rate - 1) > 0.02 for r in points):
+                points[round(rate, 9)] = replay(preset, workload, rate, duration_s=duration_s, seed=seed)
+        ordered = sorted(points.values(), key=lambda p: p.rate_rps)
+        saturation = max(p.throughput_rps for p in ordered) / cap.rps_at_slo
+        # The curve up to where the replica still keeps up: beyond, the queue is the model's.
+        curve = [p for p in ordered if p.rate_rps <= saturation * cap.rps_at_slo * 1.001]
+        mean_out = sum(w.output_tokens for w in workload) / len(workload)
+        return cls(
+            preset=preset,
+            workload=label,
+            capacity_rps=cap.rps_at_slo,
+            ttft_target_s=slo.ttft_p95_s,
+            tpot_target_s=slo.tpot_p95_s,
+            utilisation=tuple(p.rate_rps / cap.rps_at_slo for p in curve),
+            ttft_p95=tuple(p.ttft_p95_s for p in curve),
+            tpot_p95=tuple(p.tpot_p95_s for p in curve),
+            kv_usage=tuple(p.kv_usage_mean for p in curve),
+            saturation=max(1.0, saturation),
+            tokens_per_request=mean_out,
+        )
+
+    def at(self, rho: float) -> tuple[float, float, float]:
+        """TTFT p95, TPOT p95 and KV usage of a replica at utilisation ``rho``."""
+        u = self.utilisation
+        return (
+            float(np.interp(rho, u, self.ttft_p95)),
+            float(np.interp(rho, u, self.tpot_p95)),
+            float(np.interp(rho, u, self.kv_usage)),
+        )
+
+    def step(self, n: int, arrivals: float, dt: float, backlog: float, batch_on: bool) -> StepOutcome:
+        if n <= 0:
+            return StepOutcome(math.inf, math.inf, 1.0, backlog + arrivals, 0.0, math.inf)
+        max_rate = n * self.capacity_rps * self.saturation
+        pending = backlog + arrivals
+        served = min(pending, max_rate * dt)
+        backlog = pending - served
+        rho = served / dt / (n * self.capacity_rps)
+        wait = backlog / max_rate
+        ttft, tpot, kv = self.at(max(rho, 1.0) if batch_on else rho)
+        batch = 0.0
+        if batch_on:
+            batch = n * max(0.0, 1.0 - rho) * self.capacity_rps * self.tokens_per_request * dt
+        return StepOutcome(ttft + wait, wait, kv, backlog, batch, tpot)
+
+    def describe(self) -> str:
+        at_cap = self.at(1.0)
+        return (
+            f"{self.preset} replayed in virtual time on {self.workload}: {self.capacity_rps:.2f} requests/s "
+            f"per replica at TTFT p95 <= {self.ttft_target_s:g} s, TPOT p95 <= {self.tpot_target_s * 1000:g} ms "
+            f"(there: TTFT p95 {at_cap[0]:.2f} s, TPOT p95 {at_cap[1] * 1000:.0f} ms, KV {at_cap[2]:.0%}); "
+            f"saturates at {self.saturation:.2f} x"
+        )
+
+
 # -- the workload ---------------------------------------------------------------------------------
 
 
@@ -141,6 +271,7 @@ class Workload:
     spikes: list[tuple[float, float]]
     label: str
     burstiness: np.ndarray | None = None  # per-minute multipliers with mean 1 (from a trace)
+    burst_phase: int = 0  # the minute of the burstiness the workload's first minute takes
 
     @property
     def steps(self) -> int:
@@ -213,46 +344,39 @@ def synthetic_week(
     return Workload(start, step_s, rates, events, spikes, label)
 
 
-def _trace_arrivals(path: Path) -> np.ndarray:
-    """Arrival times (s from the first) of an Azure CSV or a Mooncake JSONL trace."""
-    import csv
-    import json
-
-    times: list[float] = []
-    if path.suffix == ".csv":
-        with path.open() as f:
-            for row in csv.DictReader(f):
-                stamp = row["TIMESTAMP"].strip()
-                if "." in stamp:  # seven fractional digits; datetime wants at most six
-                    head, frac = stamp.split(".", 1)
-                    stamp = f"{head}.{frac[:6]}"
-                times.append(datetime.fromisoformat(stamp).timestamp())
-    else:
-        with path.open() as f:
-            for line in f:
-                if line.strip():
-                    times.append(float(json.loads(line)["timestamp"]) / 1000.0)
-    if len(times) < 100:
-        raise ValueError(f"{path}: too few requests to take burstiness from")
-    arr = np.sort(np.asarray(times))
-    return np.asarray(arr - arr[0])
-
-
-def trace_burstiness(path: Path, step_s: float) -> np.ndarray:
-    """Per-step arrival counts of a trace, normalised to mean 1 (its shape, not its volume)."""
-    arrivals = _trace_arrivals(path)
-    counts = np.bincount((arrivals // step_s).astype(int)).astype(float)
+def trace_burstiness(requests: Sequence[TraceRequest], step_s: float) -> np.ndarray:
+    """Per-step arrival counts of a trace, normalised to mean 1 (its shape, not its volume).
+    Only whole steps count: the trace's last, partial step is no lull."""
+    if len(requests) < 100:
+        raise ValueError("too few requests to take burstiness from")
+    arrivals = np.sort(np.asarray([r.arrival_s for r in requests]))
+    arrivals -= arrivals[0]
+    whole = int(arrivals[-1] // step_s)
+    if whole < 1:
+        raise ValueError(f"the trace is shorter than one step of {step_s:g} s")
+    counts = np.bincount((arrivals // step_s).astype(int)).astype(float)[:whole]
     return np.asarray(counts / counts.mean())
 
 
 def _find_trace(option: str) -> Path | None:
     if option != "auto":
-        return Path(option)
-    root = Path(__file__).resolve().parents[1]
-    for d in [os.environ.get("TIDAL_TRACES_DIR"), str(root.parent / "shared" / "traces")]:
-        if d and (Path(d) / "AzureLLMInferenceTrace_conv.csv").exists():
-            return Path(d) / "AzureLLMInferenceTrace_conv.csv"
-    return None
+        path = Path(option)
+        if not path.is_file():
+            raise ValueError(f"--trace {option}: no such file")
+        return path
+    return find_trace("AzureLLMInferenceTrace_conv.csv")
+
+
+def _mix(requests: Sequence[TraceRequest], block_size: int = 16) -> list[WorkloadRequest]:
+    """A trace's requests as the simulated replica replays them (prefixes as chained block hashes)."""
+    return [
+        WorkloadRequest(
+            r.input_length,
+            r.output_length,
+            tuple(block_hashes(r, block_size))[: r.input_length // block_size],
+        )
+        for r in requests
+    ]
 
 
 # -- the virtual pool -----------------------------------------------------------------------------
@@ -309,16 +433,31 @@ class PolicyRun:
     minutes: dict[str, list[float]] = field(default_factory=dict)  # per-minute series for the plot
 
 
+def per_minute_rates(w: Workload) -> list[tuple[float, float]]:
+    """The workload's expected request rate in each whole minute, burstiness included."""
+    per_min = max(1, int(round(60.0 / w.step_s)))
+    m = len(w.rates) // per_min
+    rates = w.rates[: m * per_min].reshape(m, per_min).mean(axis=1)
+    out = []
+    for i, r in enumerate(rates):
+        if w.burstiness is not None:
+            r = r * w.burstiness[(i + w.burst_phase) % len(w.burstiness)]
+        out.append((w.start + i * 60.0, float(r)))
+    return out
+
+
 def _profile_from_history(weeks: Sequence[Workload]) -> HourOfWeekProfile:
-    """The profile the scheduler would have learned from earlier weeks' per-minute rates."""
-    profile = HourOfWeekProfile(quantile=0.9, weeks=len(weeks))
-    for w in weeks:
-        per_min = int(round(60.0 / w.step_s))
-        m = len(w.rates) // per_min
-        rates = w.rates[: m * per_min].reshape(m, per_min).mean(axis=1)
-        # Shifted back by whole weeks so the hour of week lines up with the benchmark's week.
-        profile.fit((w.start + i * 60.0, float(r)) for i, r in enumerate(rates))
-    return profile
+    """The profile learned from earlier weeks' per-minute rates, imported as an operator would
+    (``tidal autoscale import-profile``): a CSV of ``time,rps`` read by the product's reader."""
+    if not weeks:
+        return HourOfWeekProfile()
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "history.csv"
+        with path.open("w") as f:
+            f.write("time,rps\n")
+            for w in weeks:
+                f.writelines(f"{t:.0f},{r:.6g}\n" for t, r in per_minute_rates(w))
+        return read_history(path, "rates").profile(quantile=0.9, weeks=len(weeks))
 
 
 def simulate(
@@ -383,14 +522,18 @@ async def _simulate(
     pauses = 0
     window_arrivals = 0.0
     last_ttft = model.ttft_idle_s
+    last_tpot = 0.0
     last_wait = 0.0
     last_kv = 0.0
     minute_ttft: list[tuple[float, float]] = []
+    minute_tpot: list[tuple[float, float]] = []
     series: dict[str, list[float]] = {
         "t": [],
         "load_rps": [],
         "capacity_rps": [],
         "ttft_p95_s": [],
+        "tpot_p95_s": [],
+        "violation": [],
         "batch": [],
     }
     violations = 0
@@ -400,6 +543,7 @@ async def _simulate(
             load = PoolLoad(
                 requests_per_s=window_arrivals / (decide_every * dt) if k else workload.rates[0],
                 ttft_p95_s=last_ttft,
+                tpot_p95_s=last_tpot,
                 queue_wait_p95_s=last_wait,
                 kv_cache_usage_max=last_kv,
             )
@@ -414,7 +558,8 @@ async def _simulate(
 
         lam = workload.rates[k]
         if workload.burstiness is not None:  # one multiplier per minute, the trace's minutes cycled
-            lam *= workload.burstiness[int(k * dt // 60.0) % len(workload.burstiness)]
+            minute = int(k * dt // 60.0) + workload.burst_phase
+            lam *= workload.burstiness[minute % len(workload.burstiness)]
         arrivals = float(rng.poisson(lam * dt))
         window_arrivals += arrivals
         batch_on = gate.state is GateState.OPEN
@@ -425,19 +570,25 @@ async def _simulate(
         tr = gate.observe(GateSample(out.queue_wait_s, out.kv_usage))
         if tr is not None and tr.to is GateState.PAUSED and counted:
             pauses += 1
-        last_ttft, last_wait, last_kv = out.ttft_p95_s, out.queue_wait_s, out.kv_usage
+        last_ttft, last_tpot = out.ttft_p95_s, out.tpot_p95_s
+        last_wait, last_kv = out.queue_wait_s, out.kv_usage
         if counted:
             minute_ttft.append((out.ttft_p95_s, arrivals))
+            minute_tpot.append((out.tpot_p95_s, arrivals))
         if len(minute_ttft) == per_min:
+            # A minute violates the SLO when its requests' TTFT p95 or TPOT p95 is above target.
             p95 = _weighted_p95(minute_ttft)
-            if p95 > model.ttft_target_s:
-                violations += 1
+            tpot95 = _weighted_p95(minute_tpot)
+            bad = p95 > model.ttft_target_s or tpot95 > model.tpot_target_s
+            violations += bad
             series["t"].append(len(series["t"]) * 60.0 / DAY)  # the minute's start
             series["load_rps"].append(sum(a for _, a in minute_ttft) / (per_min * dt))
             series["capacity_rps"].append(n * model.capacity_rps)
             series["ttft_p95_s"].append(min(p95, 30.0))
+            series["tpot_p95_s"].append(min(tpot95, 30.0))
+            series["violation"].append(1.0 if bad else 0.0)
             series["batch"].append(1.0 if batch_on else 0.0)
-            minute_ttft = []
+            minute_ttft, minute_tpot = [], []
         clock.advance(dt)
     return PolicyRun(
         policy=policy,
@@ -451,7 +602,7 @@ async def _simulate(
 
 
 def _weighted_p95(samples: list[tuple[float, float]]) -> float:
-    """The 95th percentile of per-request TTFT when each step's requests share its TTFT."""
+    """The 95th percentile of a per-request latency when each step's requests share its value."""
     total = sum(w for _, w in samples)
     if total <= 0:
         return 0.0
@@ -480,11 +631,7 @@ def _plot(runs: Sequence[PolicyRun], workload: Workload, model: FleetModel, path
         axes[0].plot(
             run.minutes["t"], run.minutes["capacity_rps"], color=c, lw=0.9, label=f"{run.policy}: capacity"
         )
-        bad = [
-            t
-            for t, v in zip(run.minutes["t"], run.minutes["ttft_p95_s"], strict=True)
-            if v > model.ttft_target_s
-        ]
+        bad = [t for t, v in zip(run.minutes["t"], run.minutes["violation"], strict=True) if v]
         axes[1].scatter(bad, [run.policy] * len(bad), s=4, color=c, label=f"{run.policy}: {len(bad)} min")
         axes[2].fill_between(
             run.minutes["t"], 0, run.minutes["batch"], step="post", alpha=0.3, color=c, label=run.policy
@@ -500,7 +647,7 @@ def _plot(runs: Sequence[PolicyRun], workload: Workload, model: FleetModel, path
     axes[0].set_ylabel("requests/s")
     axes[0].legend(loc="upper left", fontsize=8)
     axes[0].set_title(f"autoscale: {workload.label}; gold = scheduled event, purple = unannounced spike")
-    axes[1].set_ylabel("TTFT p95 > target")
+    axes[1].set_ylabel("TTFT or TPOT p95 > SLO")
     axes[1].legend(loc="upper left", fontsize=8)
     axes[2].set_ylabel("batch on")
     axes[2].set_xlabel("day of week (0 = Monday)")
@@ -511,73 +658,103 @@ def _plot(runs: Sequence[PolicyRun], workload: Workload, model: FleetModel, path
     plt.close(fig)
 
 
-def run(
+def _measure_replica(
+    preset: str, mix: Sequence[WorkloadRequest], slo: Slo, label: str, quick: bool, replay_s: float
+) -> MeasuredReplicaModel:
+    # --quick: a coarser bisection and ladder. The replays stay two minutes long by default:
+    # shorter ones end before long answers reach a steady batch and overstate the capacity (by
+    # ~20% on the Azure trace's lengths at one minute).
+    if quick:
+        return MeasuredReplicaModel.measure(
+            preset, mix, slo, label=label, duration_s=replay_s, rel_tol=0.05, ladder=(0.2, 0.5, 0.8, 1.2)
+        )
+    return MeasuredReplicaModel.measure(preset, mix, slo, label=label, duration_s=replay_s)
+
+
+def _one_trace(
+    name: str,
+    requests: Sequence[TraceRequest] | None,
+    *,
     quick: bool,
     out_dir: Path,
-    *,
-    trace: str | None = None,
-    seed: str | int = 1,
-    cold_start_s: str | float = 180.0,
-    capacity_rps: str | float = 8.0,
-    peak_rps: str | float = 240.0,
-    **options: Any,
+    seed: int,
+    cold: float,
+    peak: float,
+    preset: str,
+    fleet_model: str,
+    analytic_capacity: float,
+    slo: Slo,
+    days: float,
+    replay_s: float,
 ) -> list[dict[str, Any]]:
-    """Both policies over the same week; one row each, plus the buffered-reactive reference."""
-    if options:
-        raise ValueError(f"unknown options: {', '.join('--' + k.replace('_', '-') for k in options)}")
-    seed_i, cold, cap, peak = int(seed), float(cold_start_s), float(capacity_rps), float(peak_rps)
-    # A week of decisions would log thousands of scale changes; the table says what matters.
-    logging.getLogger("scheduler").setLevel(logging.WARNING)
     # --quick: 10-second steps instead of 5 (same week, events and spike).
     step_s = 10.0 if quick else 5.0
     warmup = 3600.0  # the week starts on a settled fleet: the hour before runs but is not counted
     workload = synthetic_week(
-        start=WEEK_START - warmup, days=7 + warmup / DAY, step_s=step_s, peak_rps=peak, seed=seed_i
+        start=WEEK_START - warmup, days=days + warmup / DAY, step_s=step_s, peak_rps=peak, seed=seed
     )
     history = [
         synthetic_week(
             start=WEEK_START - w * WEEK,
             step_s=60.0,
             peak_rps=peak,
-            seed=seed_i + 100 + w,
+            seed=seed + 100 + w,
             event=False,
             spike=False,
         )
         for w in (1, 2, 3)
     ]
-    if trace:
-        path = _find_trace(str(trace))
-        if path is None:
-            print("no trace found under ../shared/traces or TIDAL_TRACES_DIR: plain Poisson arrivals")
-        else:
-            workload.burstiness = trace_burstiness(path, 60.0)
-            workload.label += f", per-minute burstiness of {path.name}"
-    print(f"workload: {workload.label}; history: 3 earlier weeks (learned by hour of week)")
-    model = ReplicaModel(capacity_rps=cap)
+    if requests is None:
+        mix_requests: Sequence[TraceRequest] = synthetic_workload(duration_s=3600.0, seed=seed)
+        mix_label = "the built-in synthetic chat workload (shared system prompts, multi-turn sessions)"
+    else:
+        mix_requests = requests
+        mix_label = f"{name}'s request lengths"
+        burst = trace_burstiness(requests, 60.0)
+        workload.burstiness = burst
+        workload.label += f"; minute by minute shaped like {name} ({len(burst)} minutes, cycled)"
+        for i, w in enumerate(history, 1):
+            # Earlier weeks had the same kind of minutes, not the same minutes at the same times.
+            w.burstiness, w.burst_phase = burst, (17 * i) % len(burst)
+    print(f"\n== {name}: {workload.label}; history: 3 earlier weeks of per-minute rates, imported")
+    model: FleetModel
+    if fleet_model == "analytic":
+        model = ReplicaModel(capacity_rps=analytic_capacity)
+        print(
+            f"fleet model: analytic replica ({analytic_capacity:g} rps within TTFT {model.ttft_target_s:g} s, "
+            f"saturates at 1.3x), cold start {cold:g} s; step {step_s:g} s"
+        )
+    else:
+        model = _measure_replica(preset, _mix(mix_requests), slo, mix_label, quick, replay_s)
+        print(f"replica: {model.describe()}; cold start {cold:g} s; step {step_s:g} s")
     spec = AutoscalerSpec(
         min_replicas=2,
-        max_replicas=200,
-        capacity_rps_per_replica=cap,
+        max_replicas=500,
+        capacity_rps_per_replica=model.capacity_rps,
         warm_buffer=0.12,
         cold_start_s=cold,
         scale_down_stabilisation_s=900.0,
         decision_interval_s=15.0,
     )
-    print(
-        f"fleet model: analytic replica ({cap:g} rps within TTFT {model.ttft_target_s:g} s, "
-        f"saturates at {model.saturation:g}x), cold start {cold:g} s; step {step_s:g} s"
-    )
+    # Both policies step up on the same SLO signals the replicas are measured against.
+    targets: dict[str, Any] = {"target_ttft_p95_s": model.ttft_target_s}
+    if math.isfinite(model.tpot_target_s):
+        targets["target_tpot_p95_s"] = model.tpot_target_s
     runs = [
-        simulate("reactive", workload, model, spec, history=history, seed=seed_i, warmup_s=warmup),
-        simulate("tidal", workload, model, spec, history=history, seed=seed_i, warmup_s=warmup),
+        simulate(
+            "reactive", workload, model, spec, history=history, seed=seed, parameters=targets, warmup_s=warmup
+        ),
+        simulate(
+            "tidal", workload, model, spec, history=history, seed=seed, parameters=targets, warmup_s=warmup
+        ),
         simulate(
             "reactive:buffered",
             workload,
             model,
             spec,
             history=history,
-            seed=seed_i,
-            parameters={"target_utilisation": round(1 / 1.12, 4)},
+            seed=seed,
+            parameters={**targets, "target_utilisation": round(1 / 1.12, 4)},
             warmup_s=warmup,
         ),
     ]
@@ -586,6 +763,7 @@ def run(
     for r in runs:
         rows.append(
             {
+                "trace": name,
                 "policy": r.policy,
                 "violation_minutes": r.violation_minutes,
                 "gpu_hours": round(r.gpu_hours, 1),
@@ -599,6 +777,8 @@ def run(
                 else None,
                 "peak_replicas": r.peak_replicas,
                 "gate_pauses": r.gate_pauses,
+                "capacity_rps_per_replica": round(model.capacity_rps, 3),
+                "fleet_model": model.describe() if isinstance(model, MeasuredReplicaModel) else "analytic",
                 "workload": workload.label,
                 "cold_start_s": cold,
             }
@@ -608,6 +788,7 @@ def run(
     print_table(
         rows,
         [
+            "trace",
             "policy",
             "violation_minutes",
             "gpu_hours",
@@ -623,10 +804,63 @@ def run(
     more = tidal.gpu_hours / base.gpu_hours - 1
     met = fewer >= 0.8 and more <= 0.15
     print(
-        f"\ntidal vs reactive: {fewer:.0%} fewer violation minutes for {more:+.1%} GPU-hours "
+        f"{name}: tidal vs reactive: {fewer:.0%} fewer violation minutes for {more:+.1%} GPU-hours "
         f"(target: >= 80% fewer for <= +15%): {'met' if met else 'NOT met'}"
     )
-    plot = out_dir / "autoscale.png"
+    plot = out_dir / ("autoscale.png" if requests is None else f"autoscale-{name}.png")
     _plot(runs, workload, model, plot)
     print(f"plot: {plot}")
+    return rows
+
+
+def run(
+    quick: bool,
+    out_dir: Path,
+    *,
+    trace: str = "auto",
+    seed: str | int = 1,
+    cold_start_s: str | float = 180.0,
+    peak_rps: str | float = 240.0,
+    preset: str = "llama-3.1-70b-fp8-h200-tp4",
+    fleet_model: str = "sim",
+    capacity_rps: str | float = 8.0,
+    days: str | float = 7.0,
+    replay_s: str | float = 120.0,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """Each policy over the synthetic week and, with ``--trace``, the trace-shaped week: one row
+    per workload and policy (the buffered-reactive row is a reference)."""
+    if options:
+        raise ValueError(f"unknown options: {', '.join('--' + k.replace('_', '-') for k in options)}")
+    if fleet_model not in ("sim", "analytic"):
+        raise ValueError(f"--fleet-model must be sim or analytic, not {fleet_model!r}")
+    # A week of decisions would log thousands of scale changes; the table says what matters.
+    logging.getLogger("scheduler").setLevel(logging.WARNING)
+    traces: list[tuple[str, Sequence[TraceRequest] | None]] = [("synthetic", None)]
+    if str(trace) != "none":
+        path = _find_trace(str(trace))
+        if path is None:
+            print(
+                "no Azure conversation trace under ../shared/traces or TIDAL_TRACES_DIR: the synthetic week only"
+            )
+        else:
+            name = "azure-conv" if path.name == "AzureLLMInferenceTrace_conv.csv" else path.stem
+            traces.append((name, load_trace(path, seed=int(seed))))
+    rows: list[dict[str, Any]] = []
+    for name, requests in traces:
+        rows += _one_trace(
+            name,
+            requests,
+            quick=quick,
+            out_dir=out_dir,
+            seed=int(seed),
+            cold=float(cold_start_s),
+            peak=float(peak_rps),
+            preset=str(preset),
+            fleet_model=str(fleet_model),
+            analytic_capacity=float(capacity_rps),
+            slo=Slo(ttft_p95_s=1.0, tpot_p95_s=0.05),
+            days=float(days),
+            replay_s=float(replay_s),
+        )
     return rows

@@ -4,11 +4,28 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from bench.autoscale import DAY, WEEK_START, ReplicaModel, VirtualPool, run, simulate, synthetic_week
+from bench.autoscale import (
+    DAY,
+    WEEK,
+    WEEK_START,
+    MeasuredReplicaModel,
+    ReplicaModel,
+    VirtualPool,
+    _profile_from_history,
+    per_minute_rates,
+    run,
+    simulate,
+    synthetic_week,
+    trace_burstiness,
+)
+from bench.traces import TraceRequest
+from replicas.sim.capacity import Slo, WorkloadRequest
 from scheduler.autoscaler import PoolReplicas
 from tidal.clock import ManualClock
 from tidal.fleet import AutoscalerSpec
@@ -78,17 +95,95 @@ def test_on_a_day_with_an_evening_ramp_the_tidal_policy_beats_reactive_only() ->
     assert reactive.minutes["t"][0] == 0.0 and len(reactive.minutes["t"]) == 23 * 60
 
 
-def test_the_benchmark_writes_the_contract_rows_and_a_plot(
+@pytest.fixture(scope="module")
+def measured() -> MeasuredReplicaModel:
+    chat = [WorkloadRequest(1000, 200)]
+    return MeasuredReplicaModel.measure(
+        "llama-3.1-70b-fp8-h200-tp4", chat, Slo(1.0, 0.05), label="chat", duration_s=60, rel_tol=0.1,
+        ladder=(0.3, 0.7, 1.3),
+    )  # fmt: skip
+
+
+def test_the_measured_replica_meets_the_slo_up_to_its_capacity_and_queues_beyond(
+    measured: MeasuredReplicaModel,
+) -> None:
+    m = measured
+    # Its capacity is the simulated replica's, at the SLO; its curve rises towards it
+    assert 3.0 < m.capacity_rps < 30.0 and m.saturation >= 1.0
+    assert list(m.utilisation) == sorted(m.utilisation) and m.utilisation[-1] <= m.saturation * 1.001
+    ttft, tpot, kv = m.at(1.0)
+    assert ttft <= 1.0 and tpot <= 0.05 and 0.0 < kv < 1.0
+    assert m.at(0.3)[1] < tpot
+    # A pool of 4 within capacity keeps up; at twice the saturated rate, half the requests queue
+    calm = m.step(4, arrivals=0.5 * 4 * m.capacity_rps * 5, dt=5, backlog=0, batch_on=False)
+    assert calm.backlog == 0 and calm.queue_wait_s == 0 and calm.tpot_p95_s <= 0.05
+    over = m.step(4, arrivals=2 * 4 * m.capacity_rps * m.saturation * 5, dt=5, backlog=0, batch_on=False)
+    assert over.backlog == pytest.approx(4 * m.capacity_rps * m.saturation * 5)
+    assert over.ttft_p95_s > 1.0
+    # Lent to batch, the replicas run full: interactive sees the curve at capacity, batch the rest
+    lent = m.step(4, arrivals=0.5 * 4 * m.capacity_rps * 5, dt=5, backlog=0, batch_on=True)
+    assert lent.tpot_p95_s == pytest.approx(tpot) and lent.kv_usage == pytest.approx(kv)
+    assert lent.batch_tokens == pytest.approx(4 * 0.5 * m.capacity_rps * 200 * 5)
+    assert "requests/s per replica at TTFT p95 <= 1 s, TPOT p95 <= 50 ms" in m.describe()
+
+
+def test_trace_burstiness_counts_whole_minutes_only() -> None:
+    # 3.5 minutes of a trace: 10, 30 and 20 requests in the whole minutes, 5 in the half one
+    times = (
+        [6.0 * i for i in range(10)] + [60 + 2.0 * i for i in range(30)] + [120 + 3.0 * i for i in range(20)]
+    )
+    times += [180 + 6.0 * i for i in range(5)] + [210.0] * 40
+    reqs = [TraceRequest(t, 100, 10) for t in times]
+    assert list(trace_burstiness(reqs, 60.0)) == pytest.approx([0.5, 1.5, 1.0])
+    with pytest.raises(ValueError, match="too few requests"):
+        trace_burstiness(reqs[:50], 60.0)
+
+
+def test_history_is_imported_per_minute_with_its_burstiness() -> None:
+    # A flat week at 100 rps whose minutes alternate 0.5x and 1.5x: the profile learns the top
+    flat = synthetic_week(start=WEEK_START - WEEK, step_s=60.0, peak_rps=100.0, event=False, spike=False)
+    flat.rates[:] = 100.0
+    flat.burstiness = np.array([0.5, 1.5])
+    rates = per_minute_rates(flat)
+    assert [r for _, r in rates[:4]] == [50.0, 150.0, 50.0, 150.0]
+    profile = _profile_from_history([flat])
+    assert profile.trained_hours == 168 and profile.predict(WEEK_START + 3600) == pytest.approx(150.0)
+
+
+def write_trace(path: Path, minutes: int = 60, seed: int = 0) -> Path:
+    """An Azure-format trace: ~5 requests/s whose minutes alternate quiet and busy."""
+    rng = np.random.default_rng(seed)
+    t0 = datetime(2023, 11, 16, 18, 0, tzinfo=UTC).timestamp()
+    rows = []
+    for m in range(minutes):
+        n = int(rng.poisson(200 if m % 2 else 400))
+        for t in sorted(rng.uniform(0, 60, n)):
+            stamp = datetime.fromtimestamp(t0 + 60 * m + t, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+            rows.append(f"{stamp}0,{int(rng.integers(200, 2000))},{int(rng.integers(20, 300))}")
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def test_the_benchmark_writes_the_contract_rows_for_each_trace_and_a_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rows = run(quick=True, out_dir=tmp_path)
-    policies = [r["policy"] for r in rows]
-    assert policies[:2] == ["reactive", "tidal"]
+    trace = write_trace(tmp_path / "bursty.csv")
+    rows = run(quick=True, out_dir=tmp_path, trace=str(trace), days=1.0, replay_s=40)
+    assert [(r["trace"], r["policy"]) for r in rows] == [
+        (t, p) for t in ("synthetic", "bursty") for p in ("reactive", "tidal", "reactive:buffered")
+    ]
     for r in rows:
-        assert {"violation_minutes", "gpu_hours", "batch_tokens_in_troughs"} <= set(r)
+        assert {"trace", "policy", "violation_minutes", "gpu_hours", "batch_tokens_in_troughs"} <= set(r)
+        assert r["capacity_rps_per_replica"] > 0 and "replayed in virtual time" in r["fleet_model"]
+    # Each workload has its own measured replica: the trace's lengths are not the synthetic chat's
+    assert rows[0]["capacity_rps_per_replica"] != rows[3]["capacity_rps_per_replica"]
     json.dumps(rows)
     assert (tmp_path / "autoscale.png").stat().st_size > 10_000
+    assert (tmp_path / "autoscale-bursty.png").stat().st_size > 10_000
     out = capsys.readouterr().out
-    assert "workload: synthetic week" in out and "tidal vs reactive" in out
+    assert "synthetic: tidal vs reactive" in out and "bursty: tidal vs reactive" in out
+    assert "minute by minute shaped like bursty (59 minutes, cycled)" in out  # the last is partial
     with pytest.raises(ValueError, match="--bogus"):
         run(quick=True, out_dir=tmp_path, bogus="1")
+    with pytest.raises(ValueError, match="no such file"):
+        run(quick=True, out_dir=tmp_path, trace=str(tmp_path / "missing.csv"))
