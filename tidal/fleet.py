@@ -184,12 +184,12 @@ class KubernetesTargetSpec(_Strict):
 class CapacityPlanSpec(_Strict):
     """Where ``capacity_from: plan`` takes one replica's capacity (requests/s within the SLO).
 
-    Measured when the scheduler starts, by replaying a workload on the simulated replica in
-    virtual time (``preset``, default: the pool's ``sim`` launch preset; requests with
-    log-uniform ``prompt_tokens`` and ``output_tokens`` in the given ranges; ``duration_s`` of
-    virtual time per replay), or read from ``file``, the output of ``tidal plan --json`` (its
-    option with ``tp``, needed when it lists several). The SLO is ``ttft_p95_s``/``tpot_p95_s``,
-    by default the ``interactive`` class's ``ttft_slo_s``/``tpot_slo_s``. Example::
+    Measured when the scheduler starts, as ``tidal plan`` measures it, by replaying requests
+    with log-uniform ``prompt_tokens`` and ``output_tokens`` in the given ranges on the simulated
+    replica in virtual time (``preset``, default: the pool's ``sim`` launch preset), or read
+    from ``file``, the output of ``tidal plan --json`` (its option with ``tp``, needed when it
+    lists several). The SLO is ``ttft_p95_s``/``tpot_p95_s``, by default the ``interactive``
+    class's ``ttft_slo_s``/``tpot_slo_s``. Example::
 
         autoscale: {capacity_from: plan, plan: {preset: llama-3.1-8b-h100, prompt_tokens: [128, 2048]}}
     """
@@ -199,7 +199,6 @@ class CapacityPlanSpec(_Strict):
     output_tokens: tuple[int, int] = (16, 512)
     ttft_p95_s: float | None = Field(default=None, gt=0.0, le=3600.0)
     tpot_p95_s: float | None = Field(default=None, gt=0.0, le=60.0)
-    duration_s: float = Field(default=60.0, ge=5.0, le=3600.0)
     file: str | None = Field(default=None, min_length=1, max_length=4096)
     tp: int | None = Field(default=None, ge=1, le=64)
 

@@ -88,13 +88,15 @@ class ReplayPoint:
 
 @dataclass(frozen=True, slots=True)
 class MeasuredCapacity:
-    """The largest rate found within the SLO (``rps_at_slo``), its replay, and every replay tried."""
+    """The largest rate found within the SLO (``rps_at_slo``), its replay, every replay tried,
+    and how long each replay was (virtual seconds)."""
 
     preset: str
     slo: Slo
     rps_at_slo: float
     at_slo: ReplayPoint
     points: tuple[ReplayPoint, ...] = field(default=(), repr=False)
+    duration_s: float = 120.0
 
 
 def synthetic_mix(
@@ -250,4 +252,6 @@ def measure_capacity(
             lo = mid
         else:
             hi = mid
-    return MeasuredCapacity(p.name, slo, lo.rate_rps, lo, tuple(sorted(points, key=lambda x: x.rate_rps)))
+    return MeasuredCapacity(
+        p.name, slo, lo.rate_rps, lo, tuple(sorted(points, key=lambda x: x.rate_rps)), duration_s
+    )

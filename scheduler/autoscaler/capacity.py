@@ -4,9 +4,9 @@ The autoscaler turns request rates into replica counts through a :class:`Replica
 
 * :class:`StaticCapacity` -- numbers given up front: the fleet config's
   ``capacity_rps_per_replica``, or what :func:`plan_capacity` found (``capacity_from: plan``);
-* :func:`plan_capacity` -- one replica's requests/s at the SLO, measured by replaying a
-  workload on the simulated replica in virtual time
-  (:func:`replicas.sim.capacity.measure_capacity`; cached under the data dir, as it takes
+* :func:`plan_capacity` -- one replica's requests/s at the SLO, measured as ``tidal plan``
+  measures it (:func:`scheduler.plan.capacity.measure`: virtual-time replays on the simulated
+  replica, its batch capped within the TPOT target; cached under the data dir, as it takes
   seconds), or read from a ``tidal plan --json`` file (:func:`known_plan`: without measuring);
 * :class:`OnlineCapacity` -- starts from another capacity and learns from the requests per
   second the pool's replicas sustained within the SLO, or failed to (``learn_capacity``).
@@ -25,16 +25,21 @@ import json
 import logging
 import math
 import os
+import random
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from replicas.sim.capacity import CapacityError, Slo, measure_capacity, synthetic_mix
+from replicas.sim.capacity import CapacityError, Slo
 from replicas.sim.presets import get_preset
+from replicas.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from scheduler.signals import PoolLoad
 from tidal.fleet import AutoscalerSpec, FleetConfig, PoolSpec
+
+if TYPE_CHECKING:
+    from scheduler.plan.workload import Workload
 
 __all__ = [
     "CapacityPlan",
@@ -51,8 +56,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # Bump when the measurement changes meaning, so cached plans are measured again.
-_PLAN_VERSION = 1
+_PLAN_VERSION = 2
 _MAX_PLAN_FILE_BYTES = 16 * 1024 * 1024
+_UNIQUE_PREFIX_BASE = 1 << 45  # prefix ids of planned requests: shared with no trace's
 
 
 class ReplicaCapacity(Protocol):
@@ -168,7 +174,6 @@ def _plan_key(preset: str, spec: AutoscalerSpec, slo: Slo) -> str:
         "preset": repr(get_preset(preset)),  # the model, GPU and efficiencies: a new calibration re-measures
         "prompt_tokens": list(plan.prompt_tokens),
         "output_tokens": list(plan.output_tokens),
-        "duration_s": plan.duration_s,
         "slo": [slo.ttft_p95_s, slo.tpot_p95_s],
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
@@ -182,6 +187,25 @@ def _read_cache(path: Path) -> dict[str, Any]:
         return {}
 
 
+def _plan_workload(prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], n: int = 2000) -> Workload:
+    """``n`` requests with log-uniform lengths in the ranges, sharing no prefix (the measurement
+    sets their rate)."""
+    from scheduler.plan.workload import Workload
+
+    rng = random.Random(0)
+
+    def draw(lo: int, hi: int) -> int:
+        return max(lo, min(hi, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
+
+    reqs = []
+    for i in range(n):
+        prompt = draw(*prompt_tokens)
+        base = _UNIQUE_PREFIX_BASE + i * 65536
+        ids = tuple(range(base, base + -(-prompt // MOONCAKE_BLOCK_TOKENS)))
+        reqs.append(TraceRequest(i / 20.0, prompt, draw(*output_tokens), ids))
+    return Workload(f"{n} requests of {prompt_tokens[0]}-{prompt_tokens[1]} prompt tokens", tuple(reqs))
+
+
 def _plan_source(pool: PoolSpec, slo: Slo) -> tuple[str, str]:
     assert pool.autoscale is not None
     plan = pool.autoscale.planned
@@ -193,7 +217,7 @@ def _plan_source(pool: PoolSpec, slo: Slo) -> tuple[str, str]:
     except KeyError as exc:
         raise CapacityError(str(exc.args[0])) from None
     return preset, (
-        f"{preset} replayed in virtual time ({plan.prompt_tokens[0]}-{plan.prompt_tokens[1]} prompt, "
+        f"{preset} replayed in virtual time as tidal plan does ({plan.prompt_tokens[0]}-{plan.prompt_tokens[1]} prompt, "
         f"{plan.output_tokens[0]}-{plan.output_tokens[1]} output tokens; TTFT p95 <= {slo.ttft_p95_s:g} s, "
         f"TPOT p95 <= {slo.tpot_p95_s:g} s)"
     )
@@ -234,19 +258,22 @@ def plan_capacity(fleet: FleetConfig, pool: PoolSpec, *, cache_path: Path | None
     slo = pool_slo(fleet, spec)
     plan = spec.planned
     preset, source = _plan_source(pool, slo)
-    mix = synthetic_mix(prompt_tokens=plan.prompt_tokens, output_tokens=plan.output_tokens)
-    measured = measure_capacity(preset, mix, slo, duration_s=plan.duration_s, rel_tol=0.05)
+    from scheduler.plan.capacity import measure  # the planner's; imported only when measuring
+
+    measured = measure(
+        get_preset(preset), _plan_workload(plan.prompt_tokens, plan.output_tokens), slo, rel_tol=0.05
+    )
     if cache_path is not None:
         try:
             cache = _read_cache(cache_path)
-            cache[_plan_key(preset, spec, slo)] = {"rps": measured.rps_at_slo, "source": source}
+            cache[_plan_key(preset, spec, slo)] = {"rps": measured.rps, "source": source}
             cache_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(cache, indent=1))
             os.replace(tmp, cache_path)
         except OSError as exc:  # the plan holds; the next start measures again
             log.warning("autoscaler: cannot cache the capacity plan in %s: %s", cache_path, exc)
-    return CapacityPlan(pool.name, measured.rps_at_slo, slo, source)
+    return CapacityPlan(pool.name, measured.rps, slo, source)
 
 
 # -- learned capacity ---------------------------------------------------------------------------

@@ -360,7 +360,6 @@ PLANNED = {
         "preset": "llama-3.1-70b-fp8-h200-tp4",
         "prompt_tokens": [900, 1100],
         "output_tokens": [150, 250],
-        "duration_s": 20,
     },
 }
 

@@ -61,7 +61,7 @@ def test_a_plan_is_measured_on_the_pools_simulated_replica_and_cached(tmp_path: 
     f = fleet(
         {
             "capacity_from": "plan",
-            "plan": {"prompt_tokens": [900, 1100], "output_tokens": [150, 250], "duration_s": 20},
+            "plan": {"prompt_tokens": [900, 1100], "output_tokens": [150, 250]},
         },
         classes={"interactive": {"ttft_slo_s": 1.0, "tpot_slo_s": 0.05}},
     )
@@ -72,7 +72,7 @@ def test_a_plan_is_measured_on_the_pools_simulated_replica_and_cached(tmp_path: 
     plan = plan_capacity(f, pool, cache_path=cache)
     # Then one 70B TP4 replica carries a few to a few tens of requests/s at the SLO
     assert 3.0 < plan.rps < 40.0 and plan.slo == SLO and not plan.cached
-    assert "llama-3.1-70b-fp8-h200-tp4 replayed in virtual time" in plan.source
+    assert "llama-3.1-70b-fp8-h200-tp4 replayed in virtual time as tidal plan does" in plan.source
     # And the next start reads it back without measuring
     again = known_plan(f, pool, cache_path=cache)
     assert again is not None and again.cached and again.rps == plan.rps
@@ -83,7 +83,6 @@ def test_a_plan_is_measured_on_the_pools_simulated_replica_and_cached(tmp_path: 
             "plan": {
                 "prompt_tokens": [900, 1100],
                 "output_tokens": [150, 250],
-                "duration_s": 20,
                 "tpot_p95_s": 0.03,
             },
         }
