@@ -34,6 +34,14 @@ from priority.admission import Admission, Outcome
 from priority.features import FEATURE_HEADER, PlanError, estimate_tokens, plan_request, resolve_feature
 from replicas.client import ReplicaClient
 from router.adapters import AdapterManager
+from router.kv_events import (
+    KVEventsEndpoints,
+    KVEventsTracker,
+    PromptKeys,
+    chat_prompt_keys,
+    completion_prompt_keys,
+    load_prompt_tokenizer,
+)
 from router.loader import build_router
 from router.prefix import chat_prefix_key, completion_prefix_key, render_messages, text_blocks
 from router.registry import ReplicaRegistry, ReplicaState
@@ -124,6 +132,16 @@ class InteractiveService:
         default = self.router.profiles[self.router.default]
         # Block hashes cost time per request; compute them only when the profile reads them.
         self.needs_blocks = any(p.READS_BLOCKS for p in default.producers)
+        # Replicas that push KV events get an exact block index (router.kv_events); prompts are
+        # tokenised for it only for models with a tokenizer, in pools where someone publishes.
+        self.kv_events = KVEventsTracker(self.clock)
+        prom.register(self.kv_events)
+        self._kv_pools: dict[str, int] = {}
+        self._tokenizers = {m.name: load_prompt_tokenizer(m.tokenizer) for m in fleet.models if m.tokenizer}
+        for _, replica in fleet.all_replicas():
+            if replica.kv_events is not None:
+                k = replica.kv_events
+                self._subscribe(replica.name, KVEventsEndpoints(k.endpoint, k.replay_endpoint, k.topic))
         self._scrape_task: asyncio.Task[None] | None = None
         self._shared_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -139,6 +157,7 @@ class InteractiveService:
                 state.client = self._client_for(state)
         loop = asyncio.get_running_loop()
         self._scrape_task = loop.create_task(self.scraper.run_forever())
+        self.kv_events.start()
         if self.shared is not None:
             await self.shared.sync_once()  # start from the fleet's counts and caps, not from zero
             self._shared_task = loop.create_task(self.shared.run_forever())
@@ -150,6 +169,7 @@ class InteractiveService:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        await self.kv_events.stop()
         for state in self.registry:
             if isinstance(state.client, ReplicaClient):
                 await state.client.aclose()
@@ -158,6 +178,13 @@ class InteractiveService:
         if self.shared is not None:
             await self.shared.leave()  # the others stop counting this gateway's requests at once
             await self.shared.store.aclose()
+
+    def _subscribe(self, name: str, endpoints: KVEventsEndpoints) -> None:
+        state = self.registry.get(name)
+        if state is None:
+            return
+        state.kv_events = self.kv_events.add(name, endpoints)
+        self._kv_pools[state.pool] = self._kv_pools.get(state.pool, 0) + 1
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -233,6 +260,15 @@ class InteractiveService:
                 )
         if plan.pool is not None:
             body["priority"] = plan.class_spec.priority
+        engine_keys: PromptKeys | None = None
+        tokenizer = self._tokenizers.get(base)
+        if tokenizer is not None and self.needs_blocks and plan.pool in self._kv_pools:
+            salt = body.get("cache_salt")
+            salt = salt if isinstance(salt, str) else None
+            if isinstance(request, ChatCompletionRequest):
+                engine_keys = chat_prompt_keys(tokenizer, body["messages"], adapter=adapter, salt=salt)
+            elif isinstance(request, CompletionRequest):
+                engine_keys = completion_prompt_keys(tokenizer, request.prompt, adapter=adapter, salt=salt)
         session = headers.get(SESSION_HEADER) or request.user
         route = RouteRequest(
             model=base,
@@ -242,6 +278,7 @@ class InteractiveService:
             session_key=session[:256] if session else None,
             prompt_tokens=plan.prompt_tokens,
             regions=plan.regions,
+            engine_keys=engine_keys,
         )
         job = ProxyJob(path, body, stream, plan, route, adapter, arrived)
         return ProxyResponse(job, self.proxy.run)
@@ -279,10 +316,19 @@ class InteractiveService:
         }
         if self.shared is not None:
             out["inflight_all"] = state.inflight + state.remote_inflight  # every gateway's requests
+        out["kv_events"] = self.kv_events.summary(state.name)
         return out
 
     def add_replica(
-        self, *, name: str, url: str, pool: str, group: str, weight: float, max_loras: int
+        self,
+        *,
+        name: str,
+        url: str,
+        pool: str,
+        group: str,
+        weight: float,
+        max_loras: int,
+        kv_events: KVEventsEndpoints | None = None,
     ) -> ReplicaState:
         spec = self.fleet.pools.get(pool)
         if spec is None:
@@ -310,6 +356,8 @@ class InteractiveService:
         )
         state.client = self._client_for(state)
         self.registry.add(state)
+        if kv_events is not None:
+            self._subscribe(name, kv_events)
         self.proxy.slot_freed(pool)
         return state
 
@@ -362,6 +410,13 @@ class InteractiveService:
     async def _deregister(self, state: ReplicaState) -> None:
         if self.registry.get(state.name) is state:
             self.registry.remove(state.name)
+        if state.kv_events is not None and state.name in self.kv_events:
+            await self.kv_events.remove(state.name)
+            left = self._kv_pools.get(state.pool, 0) - 1
+            if left > 0:
+                self._kv_pools[state.pool] = left
+            else:
+                self._kv_pools.pop(state.pool, None)
         if isinstance(state.client, ReplicaClient):
             await state.client.aclose()
 

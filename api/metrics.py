@@ -10,6 +10,9 @@ Prometheus (``GET /metrics``):
   (hit / followed / walked / miss / none), ``tidal_router_session_total{result}``,
   ``tidal_router_prefill_cost_total{result}`` (cached: placed where part of the prompt is
   cached; cold: cached nowhere, placed where the least prefill waits),
+  ``tidal_router_kv_index_total{source}`` (exact: every candidate's cache state came from its KV
+  events; estimate: from none; mixed), and ``tidal_router_kv_events_*`` per replica
+  (:class:`router.kv_events.KVEventsTracker`: index age, blocks, gaps, rebuilds, ...),
   ``tidal_router_ring_walks_total``, ``tidal_router_adapter_loads_total{replica}``,
   ``tidal_router_adapter_evictions_total{replica}``,
   ``tidal_router_plugin_duration_seconds{extension, type, name}``;
@@ -155,6 +158,12 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
+        self.kv_index = Counter(
+            "tidal_router_kv_index",
+            "Decisions by where the candidates' cache state came from (exact KV events, estimate, mixed)",
+            ["source"],
+            registry=r,
+        )
         self.ring_walks = Counter(
             "tidal_router_ring_walks", "Replicas skipped on the ring (over the load bound)", registry=r
         )
@@ -188,6 +197,7 @@ class GatewayMetrics:
         self._prefix = _Children(self.prefix)
         self._session = _Children(self.session)
         self._prefill_cost = _Children(self.prefill_cost)
+        self._kv_index = _Children(self.kv_index)
 
     def attach_live(self, registry: ReplicaRegistry, admission: Admission) -> None:
         self.prom.register(_LiveState(registry, admission))
@@ -255,6 +265,8 @@ class GatewayMetrics:
             self._session(notes["session"]).inc()
         if "prefill_cost" in notes:
             self._prefill_cost(notes["prefill_cost"]).inc()
+        if "kv_index" in notes:
+            self._kv_index(notes["kv_index"]).inc()
         walks = notes.get("ring_walks")
         if walks:
             self.ring_walks.inc(walks)

@@ -10,6 +10,13 @@ Example::
 
 Used by ``tidal replica vllm``, ``tidal up``, the local-process autoscaler actuator and the test
 fixtures.
+
+``kv_events`` turns on KV-cache events (vLLM's ``--kv-events-config``; the simulator's same flag):
+``True`` picks two free ports (PUB and replay), as ``port=None`` does for HTTP; a
+:class:`~replicas.wire.kv_events.KVEventsConfig` is passed as given. The process's
+:attr:`ReplicaProcess.kv_events` then says where to subscribe. vLLM binds its PUB socket only on
+a wildcard address (``tcp://*:PORT``, every interface): the events carry prompt token ids, so keep
+those ports on a private network.
 """
 
 from __future__ import annotations
@@ -26,10 +33,13 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from replicas.wire.kv_events import KVEventsConfig, connect_address
+
 __all__ = [
     "ReplicaProcess",
     "ReplicaStartError",
     "free_port",
+    "kv_events_config",
     "sim_process",
     "vllm_command",
     "vllm_process",
@@ -74,10 +84,19 @@ class ReplicaProcess:
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/tidal-{name}-{port}.log")
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
+        self.kv_events: KVEventsConfig | None = None  # what it publishes, when it does
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def kv_events_addresses(self) -> tuple[str, str | None]:
+        """Where a subscriber on this host connects: (PUB address, replay address)."""
+        cfg = self.kv_events
+        if cfg is None:
+            raise ValueError(f"replica {self.name} publishes no KV events")
+        replay = connect_address(cfg.replay_endpoint, self.host) if cfg.replay_endpoint else None
+        return connect_address(cfg.endpoint, self.host), replay
 
     @property
     def pid(self) -> int | None:
@@ -158,6 +177,27 @@ class ReplicaProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+def kv_events_config(
+    port: int | None = None, replay_port: int | None = None, *, topic: str = "", host: str = "*"
+) -> KVEventsConfig:
+    """KV events on ``tcp://*:port`` (PUB: vLLM binds only wildcard addresses) with replay on
+    ``tcp://host:replay_port``; a port of ``None`` is a free one."""
+    replay_host = "*" if host in ("0.0.0.0", "::") else host
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://*:{port or free_port()}",
+        replay_endpoint=f"tcp://{replay_host}:{replay_port or free_port()}",
+        topic=topic,
+    )
+
+
+def _kv_events(value: bool | KVEventsConfig, host: str) -> KVEventsConfig | None:
+    if isinstance(value, KVEventsConfig):
+        return value
+    return kv_events_config(host=host) if value else None
+
+
 def vllm_command(
     model_dir: str | Path,
     *,
@@ -169,6 +209,7 @@ def vllm_command(
     max_lora_rank: int = 8,
     extra_args: Sequence[str] = (),
     python: str | None = None,
+    kv_events: KVEventsConfig | None = None,
 ) -> list[str]:
     """The command line for vLLM's OpenAI server with the flags Tidal relies on."""
     argv = [
@@ -193,6 +234,8 @@ def vllm_command(
     ]
     if max_loras > 0:
         argv += ["--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(max_lora_rank)]
+    if kv_events is not None:
+        argv += ["--kv-events-config", kv_events.to_json()]
     return argv + list(extra_args)
 
 
@@ -204,11 +247,14 @@ def vllm_process(
     kv_cache_gib: int = 1,
     log_path: str | Path | None = None,
     env: Mapping[str, str] | None = None,
+    kv_events: bool | KVEventsConfig = False,
     **kwargs: object,
 ) -> ReplicaProcess:
     """A real vLLM replica process (not yet started)."""
     port = port or free_port()
-    argv = vllm_command(model_dir, port=port, **kwargs)  # type: ignore[arg-type]
+    host = str(kwargs.get("host", "127.0.0.1"))
+    kv = _kv_events(kv_events, host)
+    argv = vllm_command(model_dir, port=port, kv_events=kv, **kwargs)  # type: ignore[arg-type]
     vllm_env = {
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
@@ -221,7 +267,9 @@ def vllm_process(
         "DO_NOT_TRACK": "1",
         **(env or {}),
     }
-    return ReplicaProcess(name, argv, port=port, env=vllm_env, log_path=log_path)
+    proc = ReplicaProcess(name, argv, port=port, env=vllm_env, log_path=log_path)
+    proc.kv_events = kv
+    return proc
 
 
 def sim_process(
@@ -232,8 +280,14 @@ def sim_process(
     args: Sequence[str] = (),
     log_path: str | Path | None = None,
     env: Mapping[str, str] | None = None,
+    kv_events: bool | KVEventsConfig = False,
 ) -> ReplicaProcess:
     """A simulated replica process (``tidal sim``), not yet started."""
     port = port or free_port()
-    argv = [sys.executable, "-m", "tidal", "sim", "--preset", preset, "--port", str(port), *args]
-    return ReplicaProcess(name, argv, port=port, env=dict(env or {}), log_path=log_path)
+    kv = _kv_events(kv_events, "127.0.0.1")
+    argv = [sys.executable, "-m", "tidal", "sim", "--preset", preset, "--port", str(port)]
+    if kv is not None:
+        argv += ["--kv-events-config", kv.to_json()]
+    proc = ReplicaProcess(name, [*argv, *args], port=port, env=dict(env or {}), log_path=log_path)
+    proc.kv_events = kv
+    return proc

@@ -9,8 +9,8 @@ absent or older than its bound. :class:`KVEventsTracker` is the gateway's built-
 subscriber task per replica that announced an events endpoint (fleet config or admin API).
 
 **Block keys.** The index names a block by its *content*: ``key = hash((parent key, extra
-keys, *token ids))``, chained from :data:`ROOT_KEY`, computed in this process both from the
-events' token ids and from a prompt's (:func:`chain_keys`, :class:`PromptKeys`). The engine's
+keys, *token ids))``, chained from :data:`ROOT_KEY`, computed in the gateway's process both from
+the events' token ids and from a prompt's (:func:`chain_keys`, :class:`PromptKeys`). The engine's
 own hash only links a block to its parent and to its removal. So what must match between a
 replica and the gateways is what decides the token ids and their grouping -- the model's
 tokenizer and chat template (the fleet's ``models[].tokenizer``), the block size (learned from
@@ -43,13 +43,13 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from replicas.sim.tokenizer import HFTokenizer, SimTokenizer, WordTokenizer, flatten_messages
+from replicas.sim.tokenizer import HFTokenizer, SegmentEncoder, SimTokenizer, WordTokenizer, flatten_messages
 from replicas.wire.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -67,6 +67,7 @@ __all__ = [
     "KVEventsEndpoints",
     "KVEventsTracker",
     "PromptKeys",
+    "PromptTokenizer",
     "ReplicaBlockIndex",
     "block_key",
     "chain_keys",
@@ -84,9 +85,10 @@ _MISSING = object()
 
 
 def block_key(parent: int, extra: tuple[Any, ...] | None, token_ids: Sequence[int]) -> int:
-    """The key of one full block after ``parent`` (Python's hash of ints and tuples of them is
-    the same in every process and run; only str/bytes hashing is salted)."""
-    return hash((parent, extra, *token_ids))
+    """The key of one full block after ``parent``. Keys never leave the process that computes
+    them (Python salts str hashing per process), and the same process keys both the events and
+    the prompts."""
+    return hash((parent, extra or (), *token_ids))
 
 
 def chain_keys(
@@ -108,9 +110,9 @@ def chain_keys(
     out: list[int] = []
     parent = ROOT_KEY
     for i in range(n):
-        ex = extra
+        ex = extra or ()
         if i == 0 and salt is not None:
-            ex = (*(extra or ()), salt)
+            ex = (*ex, salt)
         parent = hash((parent, ex, *token_ids[i * block_size : (i + 1) * block_size]))
         out.append(parent)
     return tuple(out)
@@ -226,13 +228,13 @@ class ReplicaBlockIndex:
             parent = None  # a partial or differently sized block: not comparable with prompts
             self.skipped += 1
         extras = ev.extra_keys
-        lora = (ev.lora_name,) if ev.lora_name is not None else None
+        lora: tuple[Any, ...] = (ev.lora_name,) if ev.lora_name is not None else ()
         for i in range(n):
             key: int | None = None
             if parent is not None:
                 if extras is not None and i < len(extras):
                     e = extras[i]
-                    extra = tuple(e) if e else None
+                    extra = tuple(e) if e else ()
                 else:
                     extra = lora
                 key = hash((parent, extra, *tokens[i * bs : (i + 1) * bs]))
@@ -412,7 +414,7 @@ class KVEventsTracker:
         s = self._subs.get(name)
         return s.subscriber.stats if s is not None else None
 
-    def describe(self, name: str) -> dict[str, Any] | None:
+    def summary(self, name: str) -> dict[str, Any] | None:
         """The subscription's state for ``GET /admin/replicas``."""
         s = self._subs.get(name)
         if s is None:
@@ -478,14 +480,30 @@ class KVEventsTracker:
 # -- the gateway's tokenisation ----------------------------------------------------------------------
 
 
-def load_prompt_tokenizer(spec: str) -> SimTokenizer:
+class PromptTokenizer:
+    """A model's tokenizer as the gateway uses it: chat prompts through a
+    :class:`~replicas.sim.tokenizer.SegmentEncoder` (pieces between special tokens cached, so a
+    shared system prompt or a conversation's earlier turns are tokenised once), completions whole."""
+
+    def __init__(self, tokenizer: SimTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.chat = SegmentEncoder(tokenizer)
+
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self.chat.encode(self.tokenizer.render_chat(messages))
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode_prompt(text)
+
+
+def load_prompt_tokenizer(spec: str) -> PromptTokenizer:
     """The tokenizer a fleet model names (``models[].tokenizer``): ``sim`` for the simulator's
     built-in one, else a model directory (``tokenizer.json`` and chat template; needs the
     ``tokenizers`` and ``jinja2`` packages). Raises ``ValueError`` when it cannot be loaded."""
     if spec == "sim":
-        return WordTokenizer()
+        return PromptTokenizer(WordTokenizer())
     try:
-        return HFTokenizer(spec)
+        return PromptTokenizer(HFTokenizer(spec))
     except ImportError as exc:
         raise ValueError(
             f"tokenizer {spec!r} needs the {exc.name!r} package (pip install tokenizers jinja2)"
@@ -495,7 +513,11 @@ def load_prompt_tokenizer(spec: str) -> SimTokenizer:
 
 
 def chat_prompt_keys(
-    tokenizer: SimTokenizer, messages: Sequence[Any], *, adapter: str | None = None, salt: str | None = None
+    tokenizer: PromptTokenizer,
+    messages: Sequence[Any],
+    *,
+    adapter: str | None = None,
+    salt: str | None = None,
 ) -> PromptKeys | None:
     """A chat request's block keys, tokenised as the replicas do (the chat template, then the
     ids without added special tokens); ``None`` for content the template cannot render here."""
@@ -505,15 +527,11 @@ def chat_prompt_keys(
         flat = flatten_messages(messages)
     except ValueError:
         return None
-    return PromptKeys(
-        lambda: tokenizer.encode(tokenizer.render_chat(flat)),
-        extra=(adapter,) if adapter else None,
-        salt=salt,
-    )
+    return PromptKeys(lambda: tokenizer.chat_ids(flat), extra=(adapter,) if adapter else None, salt=salt)
 
 
 def completion_prompt_keys(
-    tokenizer: SimTokenizer, prompt: Any, *, adapter: str | None = None, salt: str | None = None
+    tokenizer: PromptTokenizer, prompt: Any, *, adapter: str | None = None, salt: str | None = None
 ) -> PromptKeys | None:
     """A completion request's block keys (a string with the tokenizer's special tokens, or token
     ids as given); ``None`` for several prompts."""
@@ -522,7 +540,7 @@ def completion_prompt_keys(
     extra = (adapter,) if adapter else None
     if isinstance(prompt, str):
         text = prompt
-        return PromptKeys(lambda: tokenizer.encode_prompt(text), extra=extra, salt=salt)
+        return PromptKeys(lambda: tokenizer.prompt_ids(text), extra=extra, salt=salt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
         return PromptKeys(lambda: ids, extra=extra, salt=salt)

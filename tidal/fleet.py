@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -49,6 +50,7 @@ __all__ = [
     "FleetConfigError",
     "GateSpec",
     "GatewaySpec",
+    "KVEventsSpec",
     "KubernetesTargetSpec",
     "LaunchSpec",
     "ModelSpec",
@@ -61,6 +63,7 @@ __all__ = [
     "RouterSpec",
     "ScheduledEventSpec",
     "TenantSpec",
+    "check_zmq_endpoint",
     "hash_api_key",
     "load_fleet",
     "parse_fleet",
@@ -93,11 +96,18 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    """A base model the fleet serves."""
+    """A base model the fleet serves.
+
+    ``tokenizer`` lets gateways tokenise prompts as the replicas do, for the exact KV index
+    (replicas that publish ``kv_events``): a model directory with ``tokenizer.json`` and its chat
+    template, or ``sim`` for the simulator's built-in tokenizer (``tidal sim`` without
+    ``--tokenizer``). Without it the gateway estimates what replicas cache.
+    """
 
     name: Name
     max_model_len: int = Field(default=8192, gt=0, le=10_000_000)
     embedding: bool = False
+    tokenizer: str | None = Field(default=None, min_length=1, max_length=4096)
 
 
 class AdapterSpec(_Strict):
@@ -134,8 +144,48 @@ class LaunchSpec(_Strict):
         return self
 
 
+_TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):([0-9]{1,5})$")
+
+
+def check_zmq_endpoint(value: str) -> str:
+    """A ZMQ address a gateway can connect to: ``tcp://HOST:PORT`` (no wildcard host) or
+    ``ipc://PATH``."""
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return value
+    m = _TCP_ENDPOINT.match(value)
+    if m is None:
+        raise ValueError(f"'{value}' is not tcp://HOST:PORT or ipc://PATH (a wildcard host is for binding)")
+    if not 1 <= int(m.group(2)) <= 65535:
+        raise ValueError(f"'{value}': port out of range")
+    return value
+
+
+class KVEventsSpec(_Strict):
+    """Where a replica publishes its KV-cache events (vLLM ``--kv-events-config``, ``tidal sim
+    --kv-events-endpoint``): the addresses gateways connect to. A ``launch`` block binds the same
+    ports on every interface of its host (``tcp://*:PORT``)."""
+
+    endpoint: str = Field(max_length=512)
+    replay_endpoint: str | None = Field(default=None, max_length=512)
+    topic: str = Field(default="", max_length=256)
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _check_endpoint(cls, v: str | None) -> str | None:
+        return None if v is None else check_zmq_endpoint(v)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> KVEventsSpec:
+        if self.replay_endpoint == self.endpoint:
+            raise ValueError("replay_endpoint must differ from endpoint")
+        return self
+
+
 class ReplicaSpec(_Strict):
-    """One replica: anything that speaks vLLM's OpenAI-compatible API and ``/metrics``."""
+    """One replica: anything that speaks vLLM's OpenAI-compatible API and ``/metrics``.
+
+    ``kv_events``: where it publishes KV-cache events, for the gateways' exact KV index.
+    """
 
     name: Name
     url: HttpUrl
@@ -143,6 +193,7 @@ class ReplicaSpec(_Strict):
     weight: float = Field(default=1.0, ge=0.0, le=1000.0)
     max_loras: int = Field(default=0, ge=0, le=1024)
     launch: LaunchSpec | None = None
+    kv_events: KVEventsSpec | None = None
 
     @property
     def base_url(self) -> str:
@@ -529,8 +580,12 @@ class FleetConfig(_Strict):
                         f"adapters.{a.name}.tenants: unknown tenant '{t}' (known: {_known(tenant_names)})"
                     )
         replica_names: list[str] = []
+        endpoints: list[str] = []
         for name, pool in self.pools.items():
             pool.name = name
+            for r in pool.replicas:
+                if r.kv_events is not None:
+                    endpoints += [e for e in (r.kv_events.endpoint, r.kv_events.replay_endpoint) if e]
             if pool.model not in model_names:
                 problems.append(
                     f"pools.{name}.model: unknown model '{pool.model}' (known: {_known(model_names)})"
@@ -545,6 +600,7 @@ class FleetConfig(_Strict):
                         "file (no replica of the pool has a sim launch block to take a preset from)"
                     )
         _dupes(problems, "replica names", replica_names)
+        _dupes(problems, "kv_events endpoints", endpoints)
         for fname, feat in self.features.items():
             if feat.class_ not in self.classes:
                 problems.append(

@@ -2,9 +2,13 @@
 
 The scheduler's health prober, canary controller, autoscaler actuator and batch gate use it:
 
-* ``GET /admin/replicas`` -- every replica with its state, cap, adapters and last snapshot;
+* ``GET /admin/replicas`` -- every replica with its state, cap, adapters, last snapshot and KV-event
+  subscription (``kv_events``: endpoints, blocks indexed, block size, complete, age, last
+  sequence number, gaps, rebuilds, malformed; null when it publishes none);
 * ``POST /admin/replicas`` -- register one (``name``, http(s) ``url``, existing ``pool``,
-  ``group`` = stable, ``weight`` = 1, ``max_loras`` = 0); 409 if the name exists. It is also
+  ``group`` = stable, ``weight`` = 1, ``max_loras`` = 0, and ``kv_events``: ``{endpoint,
+  replay_endpoint, topic}`` where it publishes KV-cache events, as in the fleet config); 409 if
+  the name exists. It is also
   recorded in the batch tier's store, where workers find it (a replica of a ``shared``, ``batch``
   or ``spot`` pool then takes that lane's batch work as fleet-file replicas do);
 * ``PATCH /admin/replicas/{name}`` -- ``healthy`` (false: out of routing at once and its
@@ -31,6 +35,8 @@ from sqlmodel import Session
 from api.deps import AdminDep, InteractiveDep, StateDep
 from api.state import GatewayState
 from batch_jobs.store import delete_runtime_replica, put_runtime_replica
+from router.kv_events import KVEventsEndpoints
+from tidal.fleet import KVEventsSpec
 
 __all__ = ["router"]
 
@@ -51,6 +57,7 @@ class ReplicaCreate(BaseModel):
     group: _Name = "stable"
     weight: float = Field(default=1.0, ge=0.0, le=1000.0)
     max_loras: int = Field(default=0, ge=0, le=1024)
+    kv_events: KVEventsSpec | None = None
 
 
 class ReplicaPatch(BaseModel):
@@ -77,6 +84,9 @@ async def add_replica(
         group=body.group,
         weight=body.weight,
         max_loras=body.max_loras,
+        kv_events=None
+        if body.kv_events is None
+        else KVEventsEndpoints(body.kv_events.endpoint, body.kv_events.replay_endpoint, body.kv_events.topic),
     )
     await _record(
         gateway,

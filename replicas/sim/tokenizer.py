@@ -27,6 +27,7 @@ import json
 import math
 import re
 import zlib
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +38,7 @@ __all__ = [
     "AnswerKey",
     "HFTokenizer",
     "SimTokenizer",
+    "SegmentEncoder",
     "TextModel",
     "WordTokenizer",
     "flatten_messages",
@@ -301,6 +303,10 @@ class WordTokenizer:
         """A completion prompt's ids (the built-in tokenizer adds no special tokens)."""
         return self.encode(text)
 
+    def special_tokens(self) -> dict[str, int]:
+        """The special tokens text is split at before tokenising, with their ids."""
+        return {t: self._fixed[t] for t in SPECIAL_TOKENS}
+
     def encode(self, text: str, *, remember: bool = False) -> list[int]:
         """Token ids of ``text``; ``remember`` keeps hashed pieces decodable (answer texts)."""
         out: list[int] = []
@@ -401,6 +407,16 @@ class HFTokenizer:
         """A completion prompt's ids with the tokenizer's special tokens (a BOS), as vLLM encodes it."""
         return list(self._tok.encode(text, add_special_tokens=True).ids)
 
+    def special_tokens(self) -> dict[str, int] | None:
+        """The added special tokens text is split at before tokenising, with their ids; ``None``
+        when some added token strips the text around it (then pieces would not be exact)."""
+        out: dict[str, int] = {}
+        for tid, tok in self._tok.get_added_tokens_decoder().items():
+            if tok.lstrip or tok.rstrip or tok.single_word or tok.normalized:
+                return None
+            out[str(tok.content)] = int(tid)
+        return out
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
@@ -420,6 +436,101 @@ class HFTokenizer:
 
     def answer_token_ids(self) -> Sequence[int]:
         return self._answer_ids
+
+
+class SegmentEncoder:
+    """Encodes rendered chat prompts piece by piece, remembering recent pieces.
+
+    A tokenizer splits its input at special tokens before anything else, so the text between
+    two of them (a system prompt, one turn) tokenises the same wherever it appears. Caching those
+    pieces (LRU, up to ``max_chars`` characters) means a shared system prompt and the earlier
+    turns of a conversation are tokenised once, not with every request -- tokenising is most of
+    what exact prefix matching costs a gateway. A tokenizer for which the split is not exact
+    (``probe`` texts encode differently whole and in pieces) is used whole.
+
+    Example::
+
+        enc = SegmentEncoder(tokenizer)
+        ids = enc.encode(tokenizer.render_chat(messages))   # == tokenizer.encode(...)
+    """
+
+    def __init__(
+        self, tokenizer: SimTokenizer, *, max_chars: int = 16 << 20, probe: Sequence[str] = ()
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_chars = max_chars
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chars = 0
+        self.hits = 0
+        self.misses = 0
+        specials = tokenizer.special_tokens() if hasattr(tokenizer, "special_tokens") else None
+        self._split: re.Pattern[str] | None = None
+        self._ids: dict[str, int] = {}
+        if specials:
+            self._ids = dict(specials)
+            self._split = re.compile(
+                "(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")"
+            )
+            samples = list(probe) or [
+                tokenizer.render_chat(
+                    [
+                        {"role": "system", "content": " Rules:\n - be brief.  "},
+                        {"role": "user", "content": "Hello,  world!\n\n12345 caf\u00e9"},
+                        {"role": "assistant", "content": " ok\t"},
+                        {"role": "user", "content": "again?"},
+                    ]
+                )
+            ]
+            if any(self._pieces(t) != list(tokenizer.encode(t)) for t in samples):
+                self._split = None  # pieces do not tokenise like the whole: no caching
+
+    @property
+    def segmenting(self) -> bool:
+        return self._split is not None
+
+    def _pieces(self, text: str) -> list[int]:
+        assert self._split is not None
+        out: list[int] = []
+        ids = self._ids
+        for part in self._split.split(text):
+            if not part:
+                continue
+            special = ids.get(part)
+            if special is not None:
+                out.append(special)
+            else:
+                out.extend(self.tokenizer.encode(part))
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        """``tokenizer.encode(text)``, from cached pieces where it can."""
+        if self._split is None:
+            return list(self.tokenizer.encode(text))
+        out: list[int] = []
+        ids = self._ids
+        cache = self._cache
+        for part in self._split.split(text):
+            if not part:
+                continue
+            special = ids.get(part)
+            if special is not None:
+                out.append(special)
+                continue
+            got = cache.get(part)
+            if got is None:
+                self.misses += 1
+                got = tuple(self.tokenizer.encode(part))
+                if len(part) <= self.max_chars // 4:
+                    cache[part] = got
+                    self._chars += len(part)
+                    while self._chars > self.max_chars:
+                        old, _ = cache.popitem(last=False)
+                        self._chars -= len(old)
+            else:
+                self.hits += 1
+                cache.move_to_end(part)
+            out.extend(got)
+        return out
 
 
 def load_tokenizer(directory: str | Path | None) -> SimTokenizer:

@@ -58,7 +58,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -512,7 +512,6 @@ class SubscriberStats:
     probe_failures: int = 0  # ... that got no (valid) answer in time
     last_seq: int | None = None
     connected: bool = False  # the last replay question was answered
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class KVEventSubscriber:

@@ -40,6 +40,7 @@ REPLICA_KEYS = {
     "loaded_adapters",
     "snapshot",
     "snapshot_age_s",
+    "kv_events",  # its KV-event subscription (null: it publishes none)
 }
 
 

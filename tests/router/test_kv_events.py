@@ -13,6 +13,7 @@ from replicas.sim.tokenizer import WordTokenizer
 from replicas.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from router.kv_events import (
     PromptKeys,
+    PromptTokenizer,
     ReplicaBlockIndex,
     chain_keys,
     chat_prompt_keys,
@@ -146,17 +147,52 @@ def test_chat_keys_render_the_template_like_the_simulator() -> None:
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
     ]
-    pk = chat_prompt_keys(tok, msgs, adapter="ad")
+    gateway = PromptTokenizer(tok)
+    pk = chat_prompt_keys(gateway, msgs, adapter="ad")
     assert pk is not None
     ids = tok.encode(
         tok.render_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     )
     assert list(pk.token_ids) == ids
     assert pk(2) == chain_keys(ids, 2, extra=("ad",), limit=(len(ids) - 1) // 2)
-    assert chat_prompt_keys(tok, [{"role": "user", "content": [{"type": "image_url"}]}]) is None
-    assert completion_prompt_keys(tok, ["a", "b"]) is None
-    ids_prompt = completion_prompt_keys(tok, [5, 6, 7])
+    assert chat_prompt_keys(gateway, [{"role": "user", "content": [{"type": "image_url"}]}]) is None
+    assert completion_prompt_keys(gateway, ["a", "b"]) is None
+    ids_prompt = completion_prompt_keys(gateway, [5, 6, 7])
     assert ids_prompt is not None and list(ids_prompt.token_ids) == [5, 6, 7]
+
+
+CONVERSATIONS = [
+    [
+        {"role": "system", "content": "You answer in French. " * 30},
+        {"role": "user", "content": "Bonjour  !\n"},
+    ],
+    [
+        {"role": "system", "content": "You answer in French. " * 30},
+        {"role": "user", "content": "Bonjour  !\n"},
+        {"role": "assistant", "content": " Salut, 123 caf\u00e9\t"},
+        {"role": "user", "content": "<|im_start|> is not special inside text? 4417."},
+    ],
+    [{"role": "user", "content": ""}],
+]
+
+
+@pytest.mark.parametrize("which", ["sim", "hf"])
+def test_the_gateways_segment_cache_tokenises_exactly_like_the_replica(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    from replicas.sim.tokenizer import HFTokenizer
+
+    tok = (
+        WordTokenizer()
+        if which == "sim"
+        else HFTokenizer(request.getfixturevalue("tiny_model_root") / "model")
+    )
+    gateway = PromptTokenizer(tok)
+    assert gateway.chat.segmenting
+    for _ in range(2):  # cold, then from cached pieces
+        for msgs in CONVERSATIONS:
+            assert gateway.chat_ids(msgs) == tok.encode(tok.render_chat(msgs))
+    assert gateway.chat.hits > 0
 
 
 # -- the producer ------------------------------------------------------------------------------------

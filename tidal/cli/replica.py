@@ -74,6 +74,27 @@ def tiny_model(out: Path, adapters: int, seed: int) -> None:
 )
 @click.option("--max-model-len", default=4096, show_default=True, type=int, help="Context length.")
 @click.option("--timeout", default=240.0, show_default=True, type=float, help="Seconds to wait for /health.")
+@click.option(
+    "--kv-events/--no-kv-events",
+    default=True,
+    show_default=True,
+    help="Publish KV-cache events (vLLM's --kv-events-config) for the gateways' exact KV index.",
+)
+@click.option(
+    "--kv-events-port",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Port of the events' PUB socket, bound on every interface (0: a free one).",
+)
+@click.option(
+    "--kv-events-replay-port",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Port of the replay socket, bound on --host (0: a free one).",
+)
+@click.option("--kv-events-topic", default="", show_default=True, help="Topic of the KV events.")
 @click.pass_context
 def vllm(
     ctx: click.Context,
@@ -85,15 +106,21 @@ def vllm(
     max_loras: int,
     max_model_len: int,
     timeout: float,
+    kv_events: bool,
+    kv_events_port: int,
+    kv_events_replay_port: int,
+    kv_events_topic: str,
 ) -> None:
     """Start a real vLLM OpenAI server and wait until /health answers.
 
     Runs `python -m vllm.entrypoints.openai.api_server` with `--scheduling-policy priority`,
-    `--enable-lora` and runtime LoRA loading enabled. Extra arguments go to vLLM unchanged.
+    `--enable-lora`, runtime LoRA loading and KV-cache events enabled (ZMQ PUB on
+    tcp://*:--kv-events-port, replay on --kv-events-replay-port; the events carry prompt token
+    ids, keep those ports private). Extra arguments go to vLLM unchanged.
 
-    Example: tidal replica vllm --model /tmp/tiny/model --port 8001 --max-num-seqs 64
+    Example: tidal replica vllm --model /tmp/tiny/model --port 8001 --kv-events-port 5557 --max-num-seqs 64
     """
-    from replicas.launcher import ReplicaStartError, vllm_process
+    from replicas.launcher import ReplicaStartError, kv_events_config, vllm_process
 
     proc = vllm_process(
         model_dir,
@@ -104,9 +131,17 @@ def vllm(
         max_loras=max_loras,
         max_model_len=max_model_len,
         extra_args=list(ctx.args),
+        kv_events=kv_events_config(
+            kv_events_port or None, kv_events_replay_port or None, topic=kv_events_topic, host=host
+        )
+        if kv_events
+        else False,
     )
     proc.start()
     click.echo(f"starting vLLM on {proc.url} (log: {proc.log_path})")
+    if proc.kv_events is not None:
+        pub, replay = proc.kv_events_addresses()
+        click.echo(f"KV events on {pub} (replay {replay}, topic {kv_events_topic!r})")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
-    from tidal.fleet import FleetConfig
+    from tidal.fleet import FleetConfig, KVEventsSpec
 
 __all__ = ["Part", "autoscaler_lines", "batch_broker_env", "plan_parts", "up"]
 
@@ -126,6 +126,33 @@ def _scheduler_metrics(port: int) -> str:
         return ""
 
 
+def kv_events_args(kind: str, spec: KVEventsSpec | None) -> list[str]:
+    """The flags that make a launched replica publish where the fleet says it does: the same
+    ports, bound on every interface (vLLM binds its PUB socket only on a wildcard address)."""
+    if spec is None:
+        return ["--no-kv-events"] if kind == "vllm" else []
+
+    def bind(endpoint: str) -> str:
+        return re.sub(r"^tcp://[^/]+:(\d+)$", r"tcp://*:\1", endpoint)
+
+    pub = bind(spec.endpoint)
+    replay = bind(spec.replay_endpoint) if spec.replay_endpoint else None
+    if kind == "sim":
+        out = ["--kv-events-endpoint", pub, "--kv-events-topic", spec.topic]
+        return out + (["--kv-events-replay-endpoint", replay] if replay else [])
+    import json
+
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": pub,
+        "replay_endpoint": replay,
+        "topic": spec.topic,
+    }
+    # `tidal replica vllm` passes unknown flags to vLLM unchanged: its own config, verbatim.
+    return ["--no-kv-events", "--kv-events-config", json.dumps(config)]
+
+
 def plan_parts(
     fleet_path: Path,
     *,
@@ -149,6 +176,7 @@ def plan_parts(
         rport = replica.url.port or 80
         if launch.kind == "sim":
             args = ["--preset", launch.preset or "", "--port", str(rport), "--served-model-name", pool.model]
+            args += kv_events_args("sim", replica.kv_events)
             parts.append(
                 Part(
                     replica.name,
@@ -171,7 +199,7 @@ def plan_parts(
                 Part(
                     replica.name,
                     "replica",
-                    ["vllm", *args, *launch.args],
+                    ["vllm", *args, *kv_events_args("vllm", replica.kv_events), *launch.args],
                     rport,
                     describe=f"vLLM replica, pool {pool.name}",
                 )
