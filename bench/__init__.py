@@ -16,4 +16,5 @@ BENCHMARKS: dict[str, str] = {
     "gateway": "bench.gateway:run",
     "batch": "bench.batch:run",
     "sim": "bench.sim:run",
+    "kv-keys": "bench.kv_keys:run",
 }

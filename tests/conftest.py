@@ -43,7 +43,14 @@ class VLLMFactory:
         self._procs: list[object] = []
 
     def start(
-        self, count: int = 1, *, extra_args: tuple[str, ...] = (), max_loras: int = 2, timeout: float = 300.0
+        self,
+        count: int = 1,
+        *,
+        extra_args: tuple[str, ...] = (),
+        max_loras: int = 2,
+        timeout: float = 300.0,
+        env: dict[str, str] | None = None,
+        kv_events: bool = False,
     ) -> list:  # type: ignore[type-arg]
         from replicas.launcher import vllm_process
 
@@ -56,6 +63,8 @@ class VLLMFactory:
                 max_loras=max_loras,
                 extra_args=extra_args,
                 kv_cache_gib=1,
+                env=env,
+                kv_events=kv_events,
             )
             self._procs.append(p)
             procs.append(p.start())

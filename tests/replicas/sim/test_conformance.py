@@ -278,3 +278,169 @@ def test_simulator_answers_like_real_vllm(vllm_replica: Any, sim_tiny: Any, tiny
     for name in sorted(set(rf) & set(sf)):
         same(f"metric {name} type and labels", rf[name], sf[name])
     assert not problems, "\n".join(problems)
+
+
+# -- KV events: the same request script, the same event stream ---------------------------------------
+
+
+class _Recorder:
+    """A KV-event sink that keeps every batch in order (through our subscriber: it also proves the
+    subscriber follows real vLLM's PUB and replay sockets)."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+        self.resets: list[bool] = []
+
+    def apply(self, batch: Any) -> None:
+        self.batches.append(batch)
+
+    def reset(self, *, complete: bool) -> None:
+        self.resets.append(complete)
+        self.batches.clear()
+
+    def synced(self, at: float) -> None:
+        pass
+
+
+def _kv_event_stream(proc: Any, adapter_path: str, salt: str) -> tuple[list[Any], int, list[bool]]:
+    """Run the KV-event script against ``proc``; every event it published, in order, and how
+    many batches carried them."""
+    import asyncio
+    import threading
+
+    from replicas.wire.kv_events import KVEventSubscriber
+
+    pub, replay = proc.kv_events_addresses()
+    rec = _Recorder()
+    ready = threading.Event()
+    stop = threading.Event()
+
+    def follow() -> None:
+        async def main() -> None:
+            sub = KVEventSubscriber(pub, rec, replay_endpoint=replay, topic=proc.kv_events.topic)
+            task = asyncio.create_task(sub.run())
+            while not sub.stats.connected:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)  # the slow joiner: the SUB socket is subscribed by now
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            task.cancel()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    assert ready.wait(30), "no replay answer from the publisher"
+    client = httpx.Client(base_url=proc.url, timeout=120)
+
+    def complete(prompt: str, n: int = 3, model: str = "tiny") -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": n, "ignore_eos": True}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+
+    # 276, 236, 356 and 316 tokens: with 7 usable blocks of 128 the fifth request must evict.
+    words = {
+        w: f"{salt} " + " ".join(f"{w} {i}" for i in range(40)) for w in ("alpha", "beta", "gamma", "delta")
+    }
+    complete(words["alpha"])  # 2 full blocks stored
+    complete(words["alpha"])  # a prefix hit: nothing new
+    complete(words["beta"])
+    complete(words["gamma"])
+    complete(words["delta"], n=190)  # evicts; a block fills while decoding; evicts again
+    time.sleep(0.5)
+    assert client.post("/reset_prefix_cache").json() == {"success": True}
+    r = client.post("/v1/load_lora_adapter", json={"lora_name": f"kv-{salt}", "lora_path": adapter_path})
+    assert r.status_code == 200, r.text
+    complete(words["alpha"], model=f"kv-{salt}")  # the reset goes out with this step's events
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": words["beta"]}], "max_tokens": 2},
+    )
+    assert r.status_code == 200, r.text
+    client.post("/v1/unload_lora_adapter", json={"lora_name": f"kv-{salt}"})
+    time.sleep(1.5)
+    stop.set()
+    thread.join(10)
+    events = [e for b in rec.batches for e in b.events]
+    return events, len(rec.batches), rec.resets
+
+
+def _shape(events: list[Any]) -> list[tuple[Any, ...]]:
+    """Each event with its block hashes named by first appearance (b0, b1, ...), so a removal
+    names the block it removes whatever the hash values are."""
+    from replicas.wire.kv_events import BlockRemoved, BlockStored
+
+    names: dict[Any, str] = {}
+
+    def name(h: Any) -> str:
+        return names.setdefault(h, f"b{len(names)}")
+
+    out: list[tuple[Any, ...]] = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            out.append(
+                (
+                    "stored",
+                    tuple(name(h) for h in e.block_hashes),
+                    None if e.parent_block_hash is None else name(e.parent_block_hash),
+                    len(e.token_ids),
+                    e.block_size,
+                    e.lora_id is not None,
+                    e.lora_name is not None,
+                    e.medium,
+                    None if e.extra_keys is None else len(e.extra_keys),
+                    e.group_idx,
+                )
+            )
+        elif isinstance(e, BlockRemoved):
+            out.append(("removed", tuple(name(h) for h in e.block_hashes), e.medium))
+        else:
+            out.append((type(e).__name__,))
+    return out
+
+
+@pytest.fixture(scope="module")
+def kv_pair(vllm_factory: Any, tiny_model_root: Any) -> Iterator[tuple[Any, Any]]:
+    """Real vLLM and the simulator with 8 KV blocks of 128 tokens, KV events and dev mode on."""
+    small = ("--max-model-len", "512", "--num-gpu-blocks-override", "8")
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    sim = sim_process(
+        "tiny-cpu",
+        args=["--served-model-name", "tiny", "--tokenizer", str(tiny_model_root / "model"), *small],
+        kv_events=True,
+        env=dev,
+    )
+    sim.start()
+    try:
+        (real,) = vllm_factory.start(1, extra_args=small, env=dev, kv_events=True)
+        sim.wait_ready(60)
+        yield real, sim
+    finally:
+        sim.stop()
+
+
+def test_simulator_publishes_the_kv_events_real_vllm_publishes(kv_pair: Any, tiny_model_root: Any) -> None:
+    real, sim = kv_pair
+    salt = secrets.token_hex(3)
+    adapter = str(tiny_model_root / "adapters" / "lora-0")
+    rv, rb, rr = _kv_event_stream(real, adapter, salt)
+    sv, sb, sr = _kv_event_stream(sim, adapter, salt)
+    print(f"\nKV events: vLLM {len(rv)} in {rb} batches, simulator {len(sv)} in {sb} batches")
+    for e in _shape(rv):
+        print("  ", e)
+    assert rr == [True] and sr == [True]  # each replay buffer reached back to sequence 0
+    # Same stores and removals, in the same order, naming the same blocks.
+    assert _shape(sv) == _shape(rv)
+    kinds = [s[0] for s in _shape(rv)]
+    assert {"stored", "removed", "AllBlocksCleared"} <= set(kinds), kinds
+    # And the same hashes wherever the blocks hold the same tokens (prompt blocks; generated
+    # tokens differ between the two models).
+    from replicas.wire.kv_events import BlockStored
+
+    same = 0
+    for a, b in zip(rv, sv, strict=True):
+        if isinstance(a, BlockStored) and isinstance(b, BlockStored) and a.token_ids == b.token_ids:
+            assert a.block_hashes == b.block_hashes and a.parent_block_hash == b.parent_block_hash
+            same += 1
+    assert same >= 5
