@@ -24,9 +24,8 @@ batch tokens done on the pool in its troughs, and the ratios against the reactiv
 ``bench/results/autoscale.png`` (synthetic) and ``autoscale-<trace>.png``.
 
 Options: ``--trace auto|none|FILE``; ``--preset NAME``; ``--seed N``; ``--cold-start-s S``;
-``--peak-rps R``; ``--days D`` (from Monday; 7); ``--replay-s S`` (virtual seconds per replay
-when measuring the replica; 120); ``--fleet-model sim|analytic`` (``analytic``: the older
-stand-in replica with ``--capacity-rps``, for comparison).
+``--peak-rps R``; ``--days D`` (from Monday; 7); ``--fleet-model sim|analytic`` (``analytic``:
+the older stand-in replica with ``--capacity-rps``, for comparison).
 
 Example: tidal bench autoscale --quick
 """
@@ -38,15 +37,16 @@ import logging
 import math
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from bench.traces import TraceRequest, block_hashes, find_trace, load_trace, synthetic_workload
-from replicas.sim.capacity import Slo, WorkloadRequest, measure_capacity, replay
+from bench.traces import TraceRequest, block_hashes, find_trace
+from replicas.sim.capacity import Slo, WorkloadRequest, replay
+from replicas.sim.presets import get_preset
 from scheduler.autoscaler import (
     Autoscaler,
     EventCalendar,
@@ -60,6 +60,8 @@ from scheduler.autoscaler import (
 from scheduler.autoscaler.history import read_history
 from scheduler.gate import BatchGate, GateSample, GateState
 from scheduler.metrics import SchedulerMetrics
+from scheduler.plan.capacity import measure as measure_at_slo
+from scheduler.plan.workload import Workload as RequestMix, load_workload
 from scheduler.signals import PoolLoad
 from tidal.clock import ManualClock
 from tidal.fleet import AutoscalerSpec, GateSpec
@@ -187,30 +189,33 @@ class MeasuredReplicaModel:
     def measure(
         cls,
         preset: str,
-        workload: Sequence[WorkloadRequest],
+        mix: RequestMix,
         slo: Slo,
         *,
         label: str,
-        duration_s: float = 120.0,
         rel_tol: float = 0.02,
         ladder: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.85, 0.95, 1.1, 1.25),
         seed: int = 0,
     ) -> MeasuredReplicaModel:
-        """Measure the capacity, then replay at ``ladder`` x capacity (the bisection's own
-        replays are points of the curve too)."""
-        cap = measure_capacity(preset, workload, slo, duration_s=duration_s, rel_tol=rel_tol, seed=seed)
+        """Measure the capacity as ``tidal plan`` does (:func:`scheduler.plan.capacity.measure`:
+        the replica's batch capped within the TPOT target), then replay that replica at
+        ``ladder`` x capacity (the bisection's own replays are points of the curve too)."""
+        base = get_preset(preset)
+        planned = measure_at_slo(base, mix, slo, rel_tol=rel_tol)
+        cap = planned.measured
+        capped = replace(base, max_num_seqs=planned.batch_cap)
+        requests = _mix(mix.requests)
         points = {round(p.rate_rps, 9): p for p in cap.points}
         for u in ladder:
             rate = u * cap.rps_at_slo
             if all(abs(r / rate - 1) > 0.02 for r in points):
-                points[round(rate, 9)] = replay(preset, workload, rate, duration_s=duration_s, seed=seed)
+                points[round(rate, 9)] = replay(capped, requests, rate, duration_s=cap.duration_s, seed=seed)
         ordered = sorted(points.values(), key=lambda p: p.rate_rps)
         saturation = max(p.throughput_rps for p in ordered) / cap.rps_at_slo
         # The curve up to where the replica still keeps up: beyond, the queue is the model's.
         curve = [p for p in ordered if p.rate_rps <= saturation * cap.rps_at_slo * 1.001]
-        mean_out = sum(w.output_tokens for w in workload) / len(workload)
         return cls(
-            preset=preset,
+            preset=f"{preset} (max_num_seqs {planned.batch_cap})",
             workload=label,
             capacity_rps=cap.rps_at_slo,
             ttft_target_s=slo.ttft_p95_s,
@@ -220,7 +225,7 @@ class MeasuredReplicaModel:
             tpot_p95=tuple(p.tpot_p95_s for p in curve),
             kv_usage=tuple(p.kv_usage_mean for p in curve),
             saturation=max(1.0, saturation),
-            tokens_per_request=mean_out,
+            tokens_per_request=mix.mean_output_tokens,
         )
 
     def at(self, rho: float) -> tuple[float, float, float]:
@@ -658,17 +663,13 @@ def _plot(runs: Sequence[PolicyRun], workload: Workload, model: FleetModel, path
     plt.close(fig)
 
 
-def _measure_replica(
-    preset: str, mix: Sequence[WorkloadRequest], slo: Slo, label: str, quick: bool, replay_s: float
-) -> MeasuredReplicaModel:
-    # --quick: a coarser bisection and ladder. The replays stay two minutes long by default:
-    # shorter ones end before long answers reach a steady batch and overstate the capacity (by
-    # ~20% on the Azure trace's lengths at one minute).
+def _measure_replica(preset: str, mix: RequestMix, slo: Slo, label: str, quick: bool) -> MeasuredReplicaModel:
+    # --quick: a coarser bisection and ladder.
     if quick:
         return MeasuredReplicaModel.measure(
-            preset, mix, slo, label=label, duration_s=replay_s, rel_tol=0.05, ladder=(0.2, 0.5, 0.8, 1.2)
+            preset, mix, slo, label=label, rel_tol=0.05, ladder=(0.2, 0.5, 0.8, 1.2)
         )
-    return MeasuredReplicaModel.measure(preset, mix, slo, label=label, duration_s=replay_s)
+    return MeasuredReplicaModel.measure(preset, mix, slo, label=label)
 
 
 def _one_trace(
@@ -685,7 +686,6 @@ def _one_trace(
     analytic_capacity: float,
     slo: Slo,
     days: float,
-    replay_s: float,
 ) -> list[dict[str, Any]]:
     # --quick: 10-second steps instead of 5 (same week, events and spike).
     step_s = 10.0 if quick else 5.0
@@ -704,11 +704,12 @@ def _one_trace(
         )
         for w in (1, 2, 3)
     ]
+    # The request mix is the one `tidal plan --workload synthetic|FILE` measures.
     if requests is None:
-        mix_requests: Sequence[TraceRequest] = synthetic_workload(duration_s=3600.0, seed=seed)
-        mix_label = "the built-in synthetic chat workload (shared system prompts, multi-turn sessions)"
+        mix = load_workload("synthetic")
+        mix_label = "tidal plan's synthetic chat workload (shared system prompts, multi-turn sessions)"
     else:
-        mix_requests = requests
+        mix = RequestMix(name, tuple(requests))
         mix_label = f"{name}'s request lengths"
         burst = trace_burstiness(requests, 60.0)
         workload.burstiness = burst
@@ -725,7 +726,7 @@ def _one_trace(
             f"saturates at 1.3x), cold start {cold:g} s; step {step_s:g} s"
         )
     else:
-        model = _measure_replica(preset, _mix(mix_requests), slo, mix_label, quick, replay_s)
+        model = _measure_replica(preset, mix, slo, mix_label, quick)
         print(f"replica: {model.describe()}; cold start {cold:g} s; step {step_s:g} s")
     spec = AutoscalerSpec(
         min_replicas=2,
@@ -825,7 +826,6 @@ def run(
     fleet_model: str = "sim",
     capacity_rps: str | float = 8.0,
     days: str | float = 7.0,
-    replay_s: str | float = 120.0,
     **options: Any,
 ) -> list[dict[str, Any]]:
     """Each policy over the synthetic week and, with ``--trace``, the trace-shaped week: one row
@@ -845,7 +845,7 @@ def run(
             )
         else:
             name = "azure-conv" if path.name == "AzureLLMInferenceTrace_conv.csv" else path.stem
-            traces.append((name, load_trace(path, seed=int(seed))))
+            traces.append((name, load_workload(str(path), seed=int(seed)).requests))
     rows: list[dict[str, Any]] = []
     for name, requests in traces:
         rows += _one_trace(
@@ -861,6 +861,5 @@ def run(
             analytic_capacity=float(capacity_rps),
             slo=Slo(ttft_p95_s=1.0, tpot_p95_s=0.05),
             days=float(days),
-            replay_s=float(replay_s),
         )
     return rows
