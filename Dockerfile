@@ -12,7 +12,8 @@ COPY workers ./workers
 COPY batch_jobs ./batch_jobs
 COPY replicas ./replicas
 COPY bench ./bench
-RUN pip install --no-cache-dir ".[postgres,k8s]"
+# tokenizer: gateways tokenise prompts with a model's tokenizer.json (fleet models[].tokenizer).
+RUN pip install --no-cache-dir ".[postgres,k8s,tokenizer]"
 ENV TIDAL_DATA_DIR=/data
 VOLUME /data
 ENTRYPOINT ["tidal"]

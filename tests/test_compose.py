@@ -1,22 +1,250 @@
-"""docker-compose.yml describes the production shape and parses."""
+"""The deploy files describe the production shape, and hold together.
+
+``docker-compose.yml`` and ``deploy/k8s/`` run several gateways that share load through Redis
+and follow every interactive replica's KV events: each gateway's ``TIDAL_REDIS_URL`` names the
+Redis service, the fleet config they mount validates with the project's own loader, every
+interactive replica has ``kv_events`` whose host is a service of the same files, and the replica
+binds those very ports (``tidal sim --kv-events-endpoint``, vLLM ``--kv-events-config``). The
+checks collect problems, so each case below that breaks one file must name what broke.
+"""
 
 from __future__ import annotations
 
+import copy
+import json
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
+import pytest
 import yaml
 
-from tidal.fleet import load_fleet
+from replicas.wire.kv_events import KVEventsConfig
+from tidal.fleet import FleetConfig, FleetConfigError, load_fleet, parse_fleet
 
 ROOT = Path(__file__).resolve().parents[1]
+# The fleet each replica profile of the compose stack runs with (TIDAL_COMPOSE_FLEET).
+COMPOSE_FLEETS = {"sim": "deploy/fleet.compose.yaml", "gpu": "deploy/fleet.compose.gpu.yaml"}
+FLEET_MOUNT = "/etc/tidal/fleet.yaml"
+REDIS_PORT = 6379
+
+Doc = dict[str, Any]
+Reader = Callable[[str], str]
 
 
-def test_compose_file_parses_and_has_the_production_shape() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    services = compose["services"]
+def _read(path: str) -> str:
+    return (ROOT / path).read_text()
+
+
+def _compose() -> Doc:
+    data = yaml.safe_load(_read("docker-compose.yml"))
+    assert isinstance(data, dict)
+    return data
+
+
+def _k8s_docs() -> list[Doc]:
+    return [
+        d
+        for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
+        for d in yaml.safe_load_all(path.read_text())
+        if d
+    ]
+
+
+_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def _defaults(value: str) -> str:
+    """A compose value with its ``${NAME:-default}`` variables at their defaults."""
+    return _VAR.sub(lambda m: m.group(2) or "", value)
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else None
+
+
+def _flags(argv: list[str], name: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name]
+
+
+def _host_port(url: str, default_port: int | None = None) -> tuple[str, int | None]:
+    parts = urlsplit(url)
+    return parts.hostname or "", parts.port or default_port
+
+
+def _bound_ports(argv: list[str]) -> tuple[str | None, str | None]:
+    """Where a replica's command binds its KV-event PUB and replay sockets."""
+    if argv and argv[0] == "sim":
+        return _flag(argv, "--kv-events-endpoint"), _flag(argv, "--kv-events-replay-endpoint")
+    raw = _flag(argv, "--kv-events-config")
+    if raw is None:
+        return None, None
+    cfg = KVEventsConfig.from_json(raw)
+    return (cfg.endpoint, cfg.replay_endpoint) if cfg.enabled else (None, None)
+
+
+def _check_binds(where: str, argv: list[str], endpoint: str, replay: str | None) -> list[str]:
+    pub, rep = _bound_ports(argv)
+    problems = []
+    for what, bound, wanted in (("endpoint", pub, endpoint), ("replay_endpoint", rep, replay)):
+        if bound is None:
+            problems.append(f"{where}: publishes no KV-event {what} (the fleet says {wanted})")
+        elif not bound.startswith("tcp://*:"):
+            problems.append(
+                f"{where}: KV-event {what} {bound} is not bound on every interface (tcp://*:PORT)"
+            )
+        elif wanted is None or _host_port(bound)[1] != _host_port(wanted)[1]:
+            problems.append(f"{where}: binds KV-event {what} {bound}, the fleet connects to {wanted}")
+    return problems
+
+
+def _fleet(text: str, source: str) -> FleetConfig | str:
+    try:
+        return parse_fleet(yaml.safe_load(text), source)
+    except FleetConfigError as exc:
+        return f"{source}: {exc}"
+
+
+# -- docker-compose.yml ----------------------------------------------------------------------------
+
+
+def _gateways(services: Mapping[str, Doc]) -> dict[str, Doc]:
+    return {n: s for n, s in services.items() if s.get("command", [None])[0] == "gateway"}
+
+
+def _in_profile(services: Mapping[str, Doc], profile: str) -> dict[str, Doc]:
+    return {n: s for n, s in services.items() if not s.get("profiles") or profile in s["profiles"]}
+
+
+def _mounted(service: Doc, target: str) -> str | None:
+    for v in service.get("volumes", []):
+        parts = _defaults(v).split(":")
+        if len(parts) >= 2 and parts[1] == target:
+            return parts[0]
+    return None
+
+
+def compose_problems(compose: Doc, read: Reader = _read) -> list[str]:
+    """What is wrong with several gateways, Redis and KV events in a compose file (none: [])."""
+    services: dict[str, Doc] = compose["services"]
+    problems: list[str] = []
+    gateways = _gateways(services)
+    if len(gateways) < 2:
+        problems.append(f"several gateways expected, found {sorted(gateways)}")
+    redis = {n for n, s in services.items() if str(s.get("image", "")).startswith("redis:")}
+    for name in sorted(redis):
+        if "healthcheck" not in services[name]:
+            problems.append(f"{name}: Redis has no healthcheck")
+    for name, gw in sorted(gateways.items()):
+        url = gw.get("environment", {}).get("TIDAL_REDIS_URL")
+        if url is None:
+            problems.append(f"{name}: TIDAL_REDIS_URL is not set")
+        else:
+            host, port = _host_port(url, REDIS_PORT)
+            if host not in redis or port != REDIS_PORT:
+                problems.append(f"{name}: TIDAL_REDIS_URL {url} is not a Redis service of this file")
+            elif host not in gw.get("depends_on", {}):
+                problems.append(f"{name}: does not wait for {host}")
+        workers = _flag(gw["command"], "--workers")
+        if workers is None or not _defaults(workers).isdigit() or int(_defaults(workers)) < 1:
+            problems.append(f"{name}: --workers {workers!r} is not a process count")
+        if _mounted(gw, FLEET_MOUNT) != f"./{COMPOSE_FLEETS['sim']}":
+            problems.append(f"{name}: mounts {_mounted(gw, FLEET_MOUNT)} at {FLEET_MOUNT} by default")
+
+    # One entry point that streams: nginx with every gateway in its upstream, unbuffered.
+    lbs = [s for s in services.values() if str(s.get("image", "")).startswith("nginx:")]
+    if len(lbs) != 1:
+        problems.append(f"one nginx in front of the gateways expected, found {len(lbs)}")
+    else:
+        conf_path = _mounted(lbs[0], "/etc/nginx/conf.d/default.conf") or ""
+        conf = read(conf_path.removeprefix("./"))
+        upstream = " ".join(re.findall(r"^\s*server\s+(\S+)", conf, re.M))
+        for name in sorted(gateways):
+            if f"{name}:8000" not in upstream.split():
+                problems.append(f"nginx: gateway {name} is not in the upstream")
+        for directive in ("proxy_buffering off;", "proxy_http_version 1.1;"):
+            if directive not in conf:
+                problems.append(f"nginx: `{directive}` missing, streams would not pass through as they come")
+
+    sched = services.get("scheduler", {}).get("command", [])
+    wanted = {f"http://{g}:8000" for g in gateways}
+    if set(_flags(sched, "--gateway")) != wanted:
+        problems.append(
+            f"scheduler: --gateway {_flags(sched, '--gateway')}, expected each of {sorted(wanted)}"
+        )
+    prom_path = _mounted(services["prometheus"], "/etc/prometheus/prometheus.yml") or ""
+    prom = yaml.safe_load(read(prom_path.removeprefix("./")))
+    targets = {
+        t
+        for j in prom["scrape_configs"]
+        if j["job_name"] == "tidal-gateway"
+        for c in j["static_configs"]
+        for t in c["targets"]
+    }
+    if targets != {f"{g}:8000" for g in gateways}:
+        problems.append(f"prometheus: tidal-gateway scrapes {sorted(targets)}, not each gateway")
+
+    for profile, path in COMPOSE_FLEETS.items():
+        problems += _compose_fleet_problems(services, profile, path, read)
+    return problems
+
+
+def _compose_fleet_problems(services: Mapping[str, Doc], profile: str, path: str, read: Reader) -> list[str]:
+    here = _in_profile(services, profile)
+    fleet = _fleet(read(path), path)
+    if isinstance(fleet, str):
+        return [fleet]
+    problems: list[str] = []
+    for pool, replica in fleet.all_replicas():
+        if pool.kind != "interactive":
+            continue
+        where = f"{path}: {replica.name}"
+        host, port = _host_port(replica.base_url, 80)
+        if host not in here:
+            problems.append(f"{where}: {replica.base_url} is no service of profile {profile}")
+            continue
+        argv = [str(a) for a in here[host].get("command", [])]
+        if port != int(_flag(argv, "--port") or 8000):
+            problems.append(f"{where}: {replica.base_url} is not the port {host} serves on")
+        if replica.kv_events is None:
+            problems.append(f"{where}: no kv_events")
+            continue
+        for ep in filter(None, (replica.kv_events.endpoint, replica.kv_events.replay_endpoint)):
+            if _host_port(ep)[0] not in here:
+                problems.append(f"{where}: KV events at {ep}, no service of profile {profile} there")
+        problems += _check_binds(
+            f"{where} ({host})", argv, replica.kv_events.endpoint, replica.kv_events.replay_endpoint
+        )
+    # Gateways tokenise as the replicas do: the simulator's words, or files the gateways mount.
+    for model in fleet.models:
+        if model.tokenizer is None:
+            problems.append(f"{path}: model {model.name} has no tokenizer, its KV events cannot be matched")
+        elif model.tokenizer != "sim":
+            for name, gw in _gateways(services).items():
+                mounts = [_defaults(v).split(":") for v in gw.get("volumes", [])]
+                vol = next((m[0] for m in mounts if model.tokenizer.startswith(m[1] + "/")), None)
+                fetchers = [
+                    n
+                    for n, s in here.items()
+                    if vol is not None
+                    and any(_defaults(v).split(":")[0] == vol for v in s.get("volumes", []))
+                    and model.tokenizer in s.get("entrypoint", [])
+                ]
+                if vol is None or not fetchers:
+                    problems.append(
+                        f"{path}: {name} has no {model.tokenizer} that a service of {profile} fills"
+                    )
+    return problems
+
+
+def test_compose_file_has_the_production_shape() -> None:
+    services = _compose()["services"]
     for name in [
         "rabbitmq",
         "postgres",
+        "redis",
         "gateway",
         "scheduler",
         "worker-reserved",
@@ -28,45 +256,333 @@ def test_compose_file_parses_and_has_the_production_shape() -> None:
     ]:
         assert name in services, name
     assert "management" in services["rabbitmq"]["image"]
+    assert services["gateway"]["ports"] == ["8000:8000"]  # clients reach the balancer only
     gpu = [n for n, s in services.items() if "gpu" in s.get("profiles", [])]
     sim = [n for n, s in services.items() if "sim" in s.get("profiles", [])]
     assert gpu and sim
     # Anchors resolve: every tidal service gets the shared environment.
     assert services["worker-spot"]["environment"]["TIDAL_ENVIRONMENT"] == "production"
-    for name in ["gateway", "scheduler", "worker-reserved", "flower"]:
+    assert services["gateway-b"]["environment"]["TIDAL_DATABASE_URL"].startswith("postgresql+psycopg://")
+    for name in ["gateway-a", "gateway-b", "scheduler", "worker-reserved", "flower"]:
         assert services[name]["command"][0] in {"gateway", "scheduler", "worker", "flower"}
-    # The scheduler reaches the gateway's admin API and Prometheus reaches its metrics.
     sched = services["scheduler"]["command"]
-    assert sched[sched.index("--gateway") + 1] == "http://gateway:8000"
     assert sched[sched.index("--metrics-host") + 1] == "0.0.0.0"
 
 
-def test_compose_fleet_and_prometheus_config_are_valid() -> None:
-    fleet = load_fleet(ROOT / "deploy" / "fleet.compose.yaml")
-    assert fleet.pools["interactive"].shared
-    prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
-    assert {j["job_name"] for j in prom["scrape_configs"]} >= {"tidal-gateway", "replicas"}
+def test_compose_gateways_share_redis_and_follow_every_replicas_kv_events() -> None:
+    assert compose_problems(_compose()) == []
+    for path in COMPOSE_FLEETS.values():
+        load_fleet(ROOT / path)  # strict loading too: duplicate keys and all
 
 
-def test_kubernetes_manifests_parse() -> None:
-    docs = [
-        d
-        for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
-        for d in yaml.safe_load_all(path.read_text())
-        if d
-    ]
-    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    for name in [
-        "tidal-gateway",
-        "tidal-scheduler",
-        "tidal-worker-reserved",
-        "tidal-worker-spot",
-        "tidal-worker-shared",
-        "tidal-flower",
-        "vllm-interactive",
+def _set_env(service: str, key: str, value: str | None) -> Callable[[Doc], None]:
+    def change(c: Doc) -> None:
+        env = c["services"][service]["environment"]
+        if value is None:
+            env.pop(key)
+        else:
+            env[key] = value
+
+    return change
+
+
+def _set_command(service: str, old: str, new: str | None) -> Callable[[Doc], None]:
+    def change(c: Doc) -> None:
+        argv = c["services"][service]["command"]
+        i = argv.index(old)
+        argv[i : i + 1] = [] if new is None else [new]
+
+    return change
+
+
+def _drop_kv_config(service: str) -> Callable[[Doc], None]:
+    def change(c: Doc) -> None:
+        argv = c["services"][service]["command"]
+        i = argv.index("--kv-events-config")
+        del argv[i : i + 2]
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (_set_env("gateway-b", "TIDAL_REDIS_URL", None), "gateway-b: TIDAL_REDIS_URL is not set"),
+        (_set_env("gateway-a", "TIDAL_REDIS_URL", "redis://cache:6379/0"), "gateway-a: TIDAL_REDIS_URL"),
+        (_set_command("sim-1", "tcp://*:5557", "tcp://*:5559"), "sim-1 (sim-1): binds KV-event endpoint"),
+        (_set_command("sim-0", "tcp://*:5558", "tcp://127.0.0.1:5558"), "not bound on every interface"),
+        (_drop_kv_config("vllm-1"), "vllm-1 (vllm-1): publishes no KV-event endpoint"),
+        (_set_command("scheduler", "http://gateway-b:8000", None), "scheduler: --gateway"),
+        (_set_command("gateway-a", "--workers", "--threads"), "gateway-a: --workers"),
+    ],
+    ids=["no-redis-url", "redis-elsewhere", "sim-port", "sim-bind", "vllm-no-events", "scheduler", "workers"],
+)
+def test_a_broken_compose_file_names_what_broke(change: Callable[[Doc], None], problem: str) -> None:
+    compose = copy.deepcopy(_compose())
+    change(compose)
+    problems = compose_problems(compose)
+    assert any(problem in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("path", "old", "new", "problem"),
+    [
+        (COMPOSE_FLEETS["sim"], "tcp://sim-1:5557", "tcp://sim-9:5557", "no service of profile sim"),
+        (COMPOSE_FLEETS["gpu"], "tcp://vllm-0:5558", "tcp://vllm-0:5560", "binds KV-event replay_endpoint"),
+        (COMPOSE_FLEETS["sim"], "    tokenizer: sim\n", "", "has no tokenizer"),
+        (
+            COMPOSE_FLEETS["sim"],
+            'replay_endpoint: "tcp://sim-1:5558"',
+            'replay_endpoint: "tcp://sim-0:5558"',
+            "duplicate",
+        ),
+        ("deploy/nginx.conf", "proxy_buffering off;", "", "proxy_buffering off"),
+        ("deploy/nginx.conf", "server gateway-b:8000", "server gateway-c:8000", "gateway gateway-b is not"),
+        ("deploy/prometheus.yml", '"gateway-b:8000"', '"gateway:8000"', "prometheus"),
+    ],
+    ids=[
+        "fleet-host",
+        "fleet-port",
+        "tokenizer",
+        "fleet-duplicate",
+        "nginx-buffering",
+        "nginx-upstream",
+        "prometheus",
+    ],
+)
+def test_a_broken_deploy_file_names_what_broke(path: str, old: str, new: str, problem: str) -> None:
+    def read(p: str) -> str:
+        text = _read(p)
+        if p == path:
+            assert old in text
+            return text.replace(old, new)
+        return text
+
+    problems = compose_problems(_compose(), read)
+    assert any(problem in p for p in problems), problems
+
+
+# -- deploy/k8s ------------------------------------------------------------------------------------
+
+
+def _containers(workload: Doc, init: bool = False) -> list[Doc]:
+    spec = workload["spec"]["template"]["spec"]
+    return list(spec.get("initContainers" if init else "containers", []))
+
+
+def _env(container: Doc) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def _expand(arg: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion in args."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+def _workloads(docs: list[Doc]) -> dict[str, Doc]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+
+
+def _selects(service: Doc, workload: Doc) -> bool:
+    labels = workload["spec"]["template"]["metadata"].get("labels", {})
+    selector = service["spec"].get("selector") or {}
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def k8s_problems(docs: list[Doc]) -> list[str]:
+    """What is wrong with several gateways, Redis and KV events in the manifests (none: [])."""
+    problems: list[str] = []
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    workloads = _workloads(docs)
+    gw = workloads.get("tidal-gateway")
+    if gw is None:
+        return ["no tidal-gateway workload"]
+    if gw["spec"].get("replicas", 1) < 2:
+        problems.append(f"tidal-gateway: {gw['spec'].get('replicas', 1)} replica(s), several expected")
+    container = next(c for c in _containers(gw) if c["name"] == "gateway")
+    env = _env(container)
+    url = env.get("TIDAL_REDIS_URL")
+    if url is None:
+        problems.append("tidal-gateway: TIDAL_REDIS_URL is not set")
+    else:
+        host, port = _host_port(url, REDIS_PORT)
+        svc = services.get(host)
+        redis = [
+            w
+            for w in workloads.values()
+            if svc is not None
+            and _selects(svc, w)
+            and any(str(c["image"]).startswith("redis:") for c in _containers(w))
+        ]
+        if svc is None or not redis or port not in {p["port"] for p in svc["spec"]["ports"]}:
+            problems.append(f"tidal-gateway: TIDAL_REDIS_URL {url} is not a Redis Service of these manifests")
+    args = [_expand(a, env) for a in container["args"]]
+    workers = _flag(args, "--workers")
+    if workers is None or not workers.isdigit() or int(workers) < 1:
+        problems.append(f"tidal-gateway: --workers {workers!r} is not a process count")
+
+    # The scheduler reaches each gateway pod by name.
+    sched = _containers(workloads["tidal-scheduler"])[0]["args"]
+    if gw["kind"] == "StatefulSet":
+        pods = gw["spec"]["serviceName"]
+        wanted = {f"http://tidal-gateway-{i}.{pods}:8000" for i in range(gw["spec"].get("replicas", 1))}
+        if set(_flags(sched, "--gateway")) != wanted:
+            problems.append(
+                f"tidal-scheduler: --gateway {_flags(sched, '--gateway')}, expected {sorted(wanted)}"
+            )
+        if services.get(pods, {}).get("spec", {}).get("clusterIP") != "None":
+            problems.append(f"tidal-gateway: {pods} is not a headless Service")
+    else:
+        problems.append("tidal-gateway: a Deployment's pods cannot be named to the scheduler")
+
+    cm = next((d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "tidal-fleet"), None)
+    if cm is None:
+        return [*problems, "no tidal-fleet ConfigMap"]
+    fleet = _fleet(cm["data"]["fleet.yaml"], "tidal-fleet")
+    if isinstance(fleet, str):
+        return [*problems, fleet]
+    listed: set[str] = set()
+    for pool, replica in fleet.all_replicas():
+        if pool.kind != "interactive":
+            continue
+        where = f"tidal-fleet: {replica.name}"
+        host, port = _host_port(replica.base_url, 80)
+        if replica.kv_events is None:
+            problems.append(f"{where}: no kv_events")
+            continue
+        ep_host = _host_port(replica.kv_events.endpoint)[0]
+        pod, _, svc_name = ep_host.partition(".")
+        svc = services.get(svc_name)
+        sts = next(
+            (
+                w
+                for w in workloads.values()
+                if w["kind"] == "StatefulSet" and w["spec"]["serviceName"] == svc_name
+            ),
+            None,
+        )
+        if svc is None or sts is None or svc["spec"].get("clusterIP") != "None":
+            problems.append(f"{where}: {ep_host} is no pod of a StatefulSet under a headless Service")
+            continue
+        ordinals = {f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"].get("replicas", 1))}
+        if pod not in ordinals:
+            problems.append(f"{where}: {pod} is not a pod of {sts['metadata']['name']}")
+        listed.add(pod)
+        if host != ep_host:
+            problems.append(f"{where}: serves at {host} but publishes at {ep_host}")
+        ports = {p["port"] for p in svc["spec"]["ports"]}
+        for ep in filter(
+            None, (replica.base_url, replica.kv_events.endpoint, replica.kv_events.replay_endpoint)
+        ):
+            if _host_port(ep, 80)[1] not in ports:
+                problems.append(f"{where}: Service {svc_name} does not expose the port of {ep}")
+        argv = [str(a) for c in _containers(sts) for a in c.get("args", [])]
+        problems += _check_binds(where, argv, replica.kv_events.endpoint, replica.kv_events.replay_endpoint)
+    for sts in (w for w in workloads.values() if w["kind"] == "StatefulSet" and w is not gw):
+        pods = {f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"].get("replicas", 1))}
+        if pods & listed and pods - listed:
+            problems.append(f"{sts['metadata']['name']}: pods {sorted(pods - listed)} are not in the fleet")
+    for model in fleet.models:
+        if model.tokenizer is None:
+            problems.append(
+                f"tidal-fleet: model {model.name} has no tokenizer, its KV events cannot be matched"
+            )
+        elif model.tokenizer != "sim":
+            mount = next(
+                (
+                    m
+                    for m in container.get("volumeMounts", [])
+                    if model.tokenizer.startswith(m["mountPath"] + "/")
+                ),
+                None,
+            )
+            fills = [
+                c
+                for c in _containers(gw, init=True)
+                if mount is not None
+                and any(m["name"] == mount["name"] for m in c.get("volumeMounts", []))
+                and model.tokenizer in c.get("command", []) + c.get("args", [])
+            ]
+            if not fills:
+                problems.append(f"tidal-gateway: no init container fills the tokenizer {model.tokenizer}")
+    return problems
+
+
+def test_kubernetes_manifests_have_the_production_shape() -> None:
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in _k8s_docs()}
+    for kind, name in [
+        ("StatefulSet", "tidal-gateway"),
+        ("Service", "tidal-gateway"),
+        ("Deployment", "redis"),
+        ("Service", "redis"),
+        ("Deployment", "tidal-scheduler"),
+        ("Deployment", "tidal-worker-reserved"),
+        ("Deployment", "tidal-worker-spot"),
+        ("Deployment", "tidal-worker-shared"),
+        ("Deployment", "tidal-flower"),
+        ("StatefulSet", "vllm-interactive"),
+        ("Service", "vllm-interactive"),
     ]:
-        assert ("Deployment", name) in kinds, name
-    fleet_cm = next(d for d in docs if d["kind"] == "ConfigMap")
-    from tidal.fleet import parse_fleet
+        assert (kind, name) in kinds, (kind, name)
 
-    parse_fleet(yaml.safe_load(fleet_cm["data"]["fleet.yaml"]), "k8s configmap")
+
+def test_kubernetes_gateways_share_redis_and_follow_every_replicas_kv_events() -> None:
+    assert k8s_problems(_k8s_docs()) == []
+
+
+def _find(docs: list[Doc], kind: str, name: str) -> Doc:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def _k8s_drop_redis_url(docs: list[Doc]) -> None:
+    c = _containers(_find(docs, "StatefulSet", "tidal-gateway"))[0]
+    c["env"] = [e for e in c["env"] if e["name"] != "TIDAL_REDIS_URL"]
+
+
+def _k8s_scale_vllm(docs: list[Doc]) -> None:
+    _find(docs, "StatefulSet", "vllm-interactive")["spec"]["replicas"] = 3
+
+
+def _k8s_drop_kv_config(docs: list[Doc]) -> None:
+    c = _containers(_find(docs, "StatefulSet", "vllm-interactive"))[0]
+    i = c["args"].index("--kv-events-config")
+    del c["args"][i : i + 2]
+
+
+def _k8s_hide_replay_port(docs: list[Doc]) -> None:
+    svc = _find(docs, "Service", "vllm-interactive")
+    svc["spec"]["ports"] = [p for p in svc["spec"]["ports"] if p["port"] != 5558]
+
+
+def _k8s_one_gateway_for_the_scheduler(docs: list[Doc]) -> None:
+    c = _containers(_find(docs, "Deployment", "tidal-scheduler"))[0]
+    i = c["args"].index("http://tidal-gateway-1.tidal-gateway-pods:8000")
+    del c["args"][i - 1 : i + 1]
+
+
+def _k8s_other_publish_port(docs: list[Doc]) -> None:
+    c = _containers(_find(docs, "StatefulSet", "vllm-interactive"))[0]
+    i = c["args"].index("--kv-events-config")
+    cfg = json.loads(c["args"][i + 1])
+    c["args"][i + 1] = json.dumps({**cfg, "endpoint": "tcp://*:6557"})
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (_k8s_drop_redis_url, "tidal-gateway: TIDAL_REDIS_URL is not set"),
+        (_k8s_scale_vllm, "vllm-interactive: pods ['vllm-interactive-2'] are not in the fleet"),
+        (_k8s_drop_kv_config, "publishes no KV-event endpoint"),
+        (_k8s_hide_replay_port, "does not expose the port of tcp://vllm-interactive-0.vllm-interactive:5558"),
+        (_k8s_one_gateway_for_the_scheduler, "tidal-scheduler: --gateway"),
+        (_k8s_other_publish_port, "binds KV-event endpoint tcp://*:6557"),
+    ],
+    ids=["no-redis-url", "unlisted-pod", "no-events", "replay-port", "scheduler", "publish-port"],
+)
+def test_broken_kubernetes_manifests_name_what_broke(
+    change: Callable[[list[Doc]], None], problem: str
+) -> None:
+    docs = copy.deepcopy(_k8s_docs())
+    change(docs)
+    problems = k8s_problems(docs)
+    assert any(problem in p for p in problems), problems
