@@ -157,8 +157,12 @@ class _Watch:
     __slots__ = (
         "_clock",
         "_decoder",
+        "_last",
         "_left",
+        "_now",
         "_one_choice",
+        "_t_before",
+        "_tail",
         "assembler",
         "broken",
         "completion_tokens",
@@ -173,9 +177,13 @@ class _Watch:
         self, clock: Clock, assembler: Assembler | None = None, limit: int = _HOLD_LIMIT, choices: int = 1
     ) -> None:
         self._clock = clock
+        self._now = clock.now
         self._one_choice = choices == 1
         self._decoder = SSEDecoder()
         self._left = limit
+        self._last: bytes | None = None  # the last event counted unparsed (one choice)
+        self._tail = 0  # events counted unparsed, the last included
+        self._t_before = 0.0  # t_last before the last event counted unparsed
         self.assembler = assembler
         self.outputs: dict[int, int] = {}
         self.completion_tokens: int | None = None
@@ -241,29 +249,54 @@ class _Watch:
 
     def _count(self, events: list[Event]) -> None:
         """Past the first token of a stream passed through: count output events per choice
-        without parsing each one (a chunk's first ``"index"`` is its choice's, as vLLM and
-        OpenAI order the keys); only a usage or error chunk is parsed."""
+        without parsing each one. With one choice every event but ``[DONE]`` is counted and only
+        the last one is kept, parsed once when the count is asked for (:meth:`_settle`): a usage
+        chunk, or an error, ends a stream. With several, a chunk's first ``"index"`` is its
+        choice's (as vLLM and OpenAI order the keys), and usage or error chunks are parsed."""
+        if not events:
+            return
+        if self._one_choice:
+            for data, *_ in events:
+                if data == b"[DONE]":
+                    self.done = True
+                else:
+                    self._tail += 1
+                    self._last = data
+                    self._t_before = self.t_last
+                    self.t_last = self._now()
+            return
         output = False
-        for event in events:
-            data = event.data
+        outputs = self.outputs
+        for data, *_ in events:
             if data == b"[DONE]":
                 self.done = True
             elif b'"usage"' in data or b'"error"' in data:
                 output = self._parsed(data) == "token" or output
             elif b'"role"' not in data:
-                if self._one_choice:
-                    index = 0
-                else:
-                    m = _CHOICE_INDEX.search(data)
-                    index = int(m.group(1)) if m else 0
-                self.outputs[index] = self.outputs.get(index, 0) + 1
+                m = _CHOICE_INDEX.search(data)
+                index = int(m.group(1)) if m else 0
+                outputs[index] = outputs.get(index, 0) + 1
                 output = True
         if output:
-            self.t_last = self._clock.now()
+            self.t_last = self._now()
+
+    def _settle(self) -> None:
+        """Fold the events counted unparsed into ``outputs``: the last one is read, and left out
+        of the count (with its time) when it carried no output (a usage-only chunk, an error)."""
+        if self._last is None:
+            return
+        last, self._last = self._last, None
+        before = self.outputs.get(0, 0)
+        output = self._parsed(last) == "token"
+        self.outputs[0] = before + self._tail - 1 + (1 if output else 0)
+        if not output:
+            self.t_last = self._t_before
+        self._tail = 0
 
     def tokens_per_choice(self) -> int:
         """Output tokens of one choice: the usage count shared by the choices when the replica
         sent one, else the output events of the longest choice."""
+        self._settle()
         if not self.outputs:
             return 0
         if self.completion_tokens is not None:

@@ -63,6 +63,19 @@ class SSEDecoder:
     def feed(self, piece: bytes) -> list[Event]:
         if not piece:
             return []
+        if (  # the common case, one whole single-line event with nothing pending: no split
+            piece[-2:] == b"\n\n"
+            and piece[:6] == b"data: "
+            and not self._buf
+            and not self._data
+            and not self._skip_lf
+            and not self._event
+            and self._retry is None
+            and self._started
+            and piece.find(b"\n") == len(piece) - 2
+            and b"\r" not in piece
+        ):
+            return [Event(piece[6:-2], b"message", self.last_id)]
         if self._skip_lf:
             self._skip_lf = False
             if piece[:1] == b"\n":

@@ -91,3 +91,35 @@ def test_without_a_usage_chunk_tokens_are_the_longest_choice_s_output_events() -
     watch.feed(_chunk(1, "b") + DONE)
     assert watch.tokens_per_choice() == 6
     assert watch.tpot() is not None
+
+
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n'
+FINISH = b'data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":"length"}]}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("case", "tail", "tokens"),
+    [
+        ("usage chunk after the last token", USAGE % 6 + DONE, 6),
+        ("no usage chunk: the events with output", FINISH + DONE, 6),
+        ("an error ends the stream", ERROR + DONE, 5),
+        ("usage and [DONE] in pieces of their own", USAGE % 6, 6),
+    ],
+)
+def test_one_choice_counts_its_events_and_reads_only_the_last(case: str, tail: bytes, tokens: int) -> None:
+    """One choice: 5 tokens 10 ms apart, then the tail arrives 50 ms later. The tokens are the
+    usage count when there is one, else the output events; a tail without output does not
+    stretch the last token's time."""
+    clock = ManualClock()
+    watch = _Watch(clock)
+    assert watch.feed(ROLE) is None
+    for i in range(5):
+        assert watch.feed(TOKEN) == "token"
+        if i < 4:
+            clock.advance(0.01)
+    clock.advance(0.05)
+    watch.feed(tail)
+    assert watch.tokens_per_choice() == tokens
+    last = 0.05 if tail.startswith(FINISH) else 0.0  # the finish chunk is a (last, empty) token
+    assert watch.t_last - watch.t_first == pytest.approx(0.04 + last)
+    assert watch.tokens_per_choice() == tokens  # asking twice changes nothing
