@@ -28,16 +28,32 @@ load imbalance (max / mean replica work). Requests carry the stable-prefix key o
 ``prefix-ring`` as their first 2 512-token blocks (a conversation of the Mooncake trace, whose
 first block is one global system prompt), for profiles that hash it.
 
+**KV events** (``--kv-events on``, the default): the replicas publish their KV events as vLLM's
+``--kv-events-config`` does and every gateway follows them (:class:`VirtualKVEvents`: one
+:class:`~router.kv_events.ReplicaBlockIndex` per replica, fed ``KV_EVENT_LATENCY_S`` = 5 ms
+after the engine step that made them), so the ``kv-index`` producer (``tidal``'s prefill cost)
+routes on what each replica holds; the other profiles read their own estimates. A trace names
+blocks, not tokens: each 16-token block's token ids stand as its hash (:func:`trace_token_ids`),
+on the events and on the prompts alike.
+
 **Several gateways** (``--gateways 2``, the default for the full run; ``--gateways 1`` skips it):
-each cache-aware profile is replayed once more at 80 % load through that many gateways that share
-the replicas but no state -- each its own registry, in-flight counts, caps, queue and router
-indexes -- with every request sent to one of them at random, as an L4 balancer would; the rows
-carry ``gateways``. A conversation's turns then reach gateways that never saw its earlier turns,
-which costs hit ratio (SGLang's docs put their loss at 10-20 %).
+each profile is replayed once more at 80 % load through that many gateways, every request sent
+to one of them at random, as an L4 balancer would. They share what production gateways share
+(rows ``sharing: shared``): the load state of :mod:`router.shared` -- each gateway's in flight and
+not yet prefilled per replica, its queue, one adaptive cap per replica -- through the product's
+own sync loop (:class:`~router.shared.SharedLoad`, every ``gateway.shared_state_interval_s``,
+50 ms, at a random phase per gateway) on a :class:`VirtualLoadBoard` standing in for Redis, where
+a publication reaches the others' reads one round trip later (``STORE_RTT_S`` = 10 ms: the README's
+measured staleness, 0.03-0.12 s through three gateways, is at most two intervals plus two round
+trips), and the KV events above. The cache-aware profiles are also replayed through gateways that
+share nothing (``sharing: unshared``, no KV events: each its own registry, in-flight counts, caps,
+queue and router indexes), the loss without sharing: a conversation's turns then reach gateways
+that never saw its earlier turns. Rows carry ``gateways``, ``sharing`` (``single`` for one
+gateway) and ``kv_events``.
 
 Traces: the Mooncake conversation trace and the Azure code trace from ``../shared/traces/``
 (or ``$TIDAL_TRACES_DIR``), any ``--trace FILE`` (Mooncake JSONL or Azure CSV, repeatable), or
-the built-in synthetic workload when none is found. Admission never refuses here (an hour-long
+the built-in synthetic workload (``--trace synthetic``, and when no trace is found). Admission never refuses here (an hour-long
 wait budget and an unbounded queue), so every policy serves every request and queueing shows in
 TTFT.
 
@@ -47,10 +63,12 @@ Example::
     tidal bench routing --preset llama-3.1-70b-fp8-h200-tp8 --loads 0.8
     tidal bench routing --trace my_trace.jsonl --loads 0.5,0.9
     tidal bench routing --load-basis mean --policies tidal,round_robin
+    tidal bench routing --trace synthetic --loads 0.8 --gateways 4
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import time
@@ -61,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import msgspec
 
 from bench.traces import (
     TraceRequest,
@@ -76,14 +95,37 @@ from priority.admission import Admission, Decision, Ticket
 from priority.window import quantile
 from replicas.sim.presets import get_preset
 from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
+from replicas.wire.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+    external_hash,
+)
+from router.kv_events import PromptKeys, ReplicaBlockIndex
 from router.loader import build_router
 from router.prefix import blocks_prefix_key
 from router.profiles import BUILTIN_PROFILES
 from router.registry import ReplicaRegistry, ReplicaState
+from router.shared import CapProposal, GatewayLoad, SharedCap, SharedLoad, SyncReply
 from router.types import RouteRequest
 from tidal.fleet import FleetConfig, parse_fleet
 
-__all__ = ["DEFAULT_TRACES", "VirtualGateway", "cluster_kv_tokens", "peak_rate", "replay", "run"]
+__all__ = [
+    "DEFAULT_TRACES",
+    "KV_EVENT_LATENCY_S",
+    "STORE_RTT_S",
+    "VirtualGateway",
+    "VirtualKVEvents",
+    "VirtualLoadBoard",
+    "VirtualLoadStore",
+    "cluster_kv_tokens",
+    "peak_rate",
+    "replay",
+    "run",
+    "trace_token_ids",
+]
 
 DEFAULT_TRACES = ("mooncake_conversation_trace.jsonl", "AzureLLMInferenceTrace_code.csv")
 PRESET = "llama-3.1-70b-fp8-h200-tp4"
@@ -109,6 +151,175 @@ class VirtualClock:
 
     async def sleep(self, seconds: float) -> None:
         raise RuntimeError("virtual time is advanced by the cluster's events, not by sleeping")
+
+
+# -- the production sharing, in virtual time ---------------------------------------------------------
+
+# Redis's round trip as the gateways measured it: another gateway's change is seen within two sync
+# intervals plus two round trips, measured 0.03-0.12 s through three gateways (README, "Several
+# gateways"), so with the 50 ms interval the round trip is (0.12 - 2 x 0.05) / 2 = 10 ms.
+STORE_RTT_S = 0.010
+# A replica's KV events reach the gateways one engine step after the change (one batch per step,
+# as vLLM publishes), then over ZMQ PUB/SUB on the private network, and are decoded: 5 ms, well
+# inside the 100 ms the replay socket takes to answer (docs/kv_events.md).
+KV_EVENT_LATENCY_S = 0.005
+# A silent stream is proven current by a question to the replay socket every 0.25 s.
+KV_PROBE_INTERVAL_S = 0.25
+SHARING_MODES = ("shared", "unshared")
+_U64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+@dataclass
+class _Published:
+    visible_at: float
+    published_at: float
+    load: GatewayLoad
+
+
+class VirtualLoadBoard:
+    """What the Redis server holds for :class:`VirtualLoadStore` (see :mod:`router.redis_load`):
+    every gateway's last published load, each replica's cap and its epoch. A publication reaches
+    the others' reads ``rtt_s`` after the sync that sent it (half a round trip to the server,
+    half back with the reader's reply); a gateway's counts older than ``ttl_s`` are gone (the
+    key expired). Cap proposals are a compare-and-set on the epoch, as the Lua script does."""
+
+    def __init__(self, clock: VirtualClock, *, rtt_s: float = STORE_RTT_S, ttl_s: float = 2.0) -> None:
+        self.clock = clock
+        self.rtt_s = rtt_s
+        self.ttl_s = ttl_s
+        self.loads: dict[str, list[_Published]] = {}  # gateway -> publications, oldest first
+        self.caps: dict[str, SharedCap] = {}
+
+    def sync(
+        self, gateway_id: str, mine: GatewayLoad, proposals: Sequence[CapProposal], replicas: Sequence[str]
+    ) -> SyncReply:
+        now = self.clock.now()
+        pubs = self.loads.setdefault(gateway_id, [])
+        pubs.append(_Published(now + self.rtt_s, now, mine))
+        accepted = []
+        for p in proposals:
+            cap = self.caps.get(p.replica)
+            epoch = -1 if cap is None else cap.epoch
+            if epoch in (-1, p.expected_epoch):
+                self.caps[p.replica] = SharedCap(p.value, max(epoch, p.expected_epoch) + 1)
+                accepted.append(p.replica)
+        others: dict[str, GatewayLoad] = {}
+        ages: dict[str, float] = {}
+        for gid, history in self.loads.items():
+            if gid == gateway_id:
+                continue
+            while len(history) > 1 and history[1].visible_at <= now:
+                history.pop(0)  # superseded by a publication the reader can see
+            seen = history[0]
+            if seen.visible_at <= now and now - seen.published_at <= self.ttl_s:
+                others[gid] = seen.load
+                ages[gid] = now - seen.published_at
+        caps = {name: c for name in replicas if (c := self.caps.get(name)) is not None}
+        return SyncReply(others, ages, caps, frozenset(accepted))
+
+
+class VirtualLoadStore:
+    """:class:`~router.shared.LoadStore` on a :class:`VirtualLoadBoard`: Redis in virtual time."""
+
+    def __init__(self, board: VirtualLoadBoard, gateway_id: str) -> None:
+        self.board = board
+        self.gateway_id = gateway_id
+        self.last: GatewayLoad | None = None
+
+    async def sync(
+        self, mine: GatewayLoad, proposals: Sequence[CapProposal], replicas: Sequence[str]
+    ) -> SyncReply:
+        self.last = mine
+        return self.board.sync(self.gateway_id, mine, proposals, replicas)
+
+    async def leave(self) -> None:
+        self.board.loads.pop(self.gateway_id, None)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def trace_token_ids(block_hashes: Sequence[int], block_size: int, length: int) -> list[int]:
+    """Token ids standing in for a trace prompt's (a trace names blocks, not tokens): each full
+    block's tokens are its hash, so equal blocks have equal tokens and the gateway's content keys
+    (:func:`router.kv_events.chain_keys`) follow the trace's prefixes; the tail is zeros."""
+    ids: list[int] = []
+    for h in block_hashes:
+        ids.extend([h & _U64] * block_size)
+    ids.extend([0] * (length - len(ids)))
+    return ids
+
+
+def _with_trace_tokens(events: list[KVCacheEvent]) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+    """The engine's events for trace requests carry no token ids; give them :func:`trace_token_ids`'."""
+    out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    for ev in events:
+        assert isinstance(ev, (BlockStored, BlockRemoved, AllBlocksCleared))
+        if isinstance(ev, BlockStored) and not ev.token_ids and ev.block_hashes:
+            bs = ev.block_size
+            ids = [t for h in ev.block_hashes for t in [external_hash(h)] * bs]
+            ev = msgspec.structs.replace(ev, token_ids=ids)
+        out.append(ev)
+    return out
+
+
+def _trace_tokens(req: TraceRequest) -> list[int]:
+    return trace_token_ids(block_hashes(req, 16), 16, req.input_length)
+
+
+class VirtualKVEvents:
+    """Every replica's KV event stream, delivered ``latency_s`` after the engine step that made it
+    to one :class:`~router.kv_events.ReplicaBlockIndex` per replica, which every gateway reads
+    (their subscriptions get the same stream with the same delay, so they hold the same index).
+    A silent stream is proven current every ``probe_s``, as the subscriber's replay question does."""
+
+    def __init__(
+        self,
+        cluster: VirtualCluster,
+        *,
+        latency_s: float = KV_EVENT_LATENCY_S,
+        probe_s: float = KV_PROBE_INTERVAL_S,
+    ) -> None:
+        self.cluster = cluster
+        self.latency_s = latency_s
+        self.probe_s = probe_s
+        self.indexes: list[ReplicaBlockIndex] = []
+        self.in_transit = [0] * len(cluster.engines)
+        for i, engine in enumerate(cluster.engines):
+            index = ReplicaBlockIndex()
+            index.reset(complete=True)  # followed since the cache was empty
+            index.synced(0.0)
+            self.indexes.append(index)
+            engine.on_kv_events = partial(self._published, i)
+        self._probing = False
+        self.busy: Any = lambda: False  # whether any gateway has requests out (set by the replay)
+
+    def _published(self, replica: int, events: list[KVCacheEvent]) -> None:
+        at = self.cluster.now
+        batch = KVEventBatch(ts=at, events=_with_trace_tokens(events))
+        self.in_transit[replica] += 1
+        self.cluster.at(at + self.latency_s, partial(self._deliver, replica, batch, at))
+
+    def _deliver(self, replica: int, batch: KVEventBatch, sent: float, cluster: VirtualCluster) -> None:
+        index = self.indexes[replica]
+        index.apply(batch)
+        index.synced(sent)
+        self.in_transit[replica] -= 1
+
+    def probe(self, cluster: VirtualCluster) -> None:
+        """Prove the silent streams current; again in ``probe_s`` while a gateway is busy."""
+        for i, index in enumerate(self.indexes):
+            if self.in_transit[i] == 0:
+                index.synced(cluster.now - self.latency_s)
+        if self.busy():
+            cluster.at(cluster.now + self.probe_s, self.probe)
+        else:
+            self._probing = False
+
+    def start(self) -> None:
+        if not self._probing:
+            self._probing = True
+            self.cluster.at(self.cluster.now, self.probe)
 
 
 def bench_fleet(replicas: int, *, cap: int = 16, min_cap: int = 2, tpot_slo_s: float = 0.05) -> FleetConfig:
@@ -161,6 +372,9 @@ class VirtualGateway:
     seed: int = 0
     key_blocks: int = DEFAULT_KEY_BLOCKS
     number: int = 0  # which of several gateways (request ids stay unique across them)
+    store: VirtualLoadStore | None = None  # shared load state (router.shared), else this gateway's own
+    kv: VirtualKVEvents | None = None  # the replicas' KV events, when they publish
+    loop: asyncio.AbstractEventLoop | None = None  # runs the shared-state syncs (they do no I/O here)
     served: list[_Outcome] = field(default_factory=list)
     refused: int = 0
     notes: dict[str, int] = field(default_factory=dict)
@@ -177,6 +391,41 @@ class VirtualGateway:
         self.klass = self.fleet.classes["interactive"]
         self.outstanding = 0
         self._ids = 0
+        self.shared: SharedLoad | None = None
+        self._syncing = False
+        self._phase = random.Random(self.seed * 7919 + self.number)
+        if self.store is not None:
+            gw = self.fleet.gateway
+            self.shared = SharedLoad(
+                self.registry,
+                self.store,
+                clock=self.clock,
+                interval_s=gw.shared_state_interval_s,
+                ttl_s=gw.shared_state_ttl_s,
+                queue_depth=self.admission.queue_depth,
+                on_freed=self._freed,
+            )
+        if self.kv is not None:
+            for state in self.states:
+                state.kv_events = self.kv.indexes[self.index[state.name]]
+
+    # -- the shared load state's sync loop, in virtual time -------------------------------------------
+
+    def _sync(self, cluster: VirtualCluster) -> None:
+        assert self.shared is not None and self.store is not None
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self.shared.sync_once())
+        last = self.store.last
+        if self.outstanding > 0 or (last is not None and last.replicas):
+            cluster.at(cluster.now + self.shared.interval_s, self._sync)
+        else:
+            self._syncing = False  # it published that it has nothing: quiet until the next arrival
+
+    def _freed(self, pool: str) -> None:
+        # Other gateways freed slots (or the shared cap grew): the queue may go on.
+        for ticket in self.admission.wake(pool):
+            self._dispatch(ticket.payload)
 
     # -- the gateway's background scrape, in virtual time --------------------------------------------
 
@@ -192,13 +441,20 @@ class VirtualGateway:
         def on_arrival(cluster: VirtualCluster) -> None:
             if self.outstanding == 0:
                 cluster.at(cluster.now, self._scrape)
+            if self.shared is not None and not self._syncing:
+                self._syncing = True
+                # Gateways sync on their own clocks: a random phase within the interval.
+                cluster.at(cluster.now + self._phase.uniform(0, self.shared.interval_s), self._sync)
             self.outstanding += 1
+            if self.kv is not None:
+                self.kv.start()
             route = RouteRequest(
                 model=MODEL,
                 prefix_key=blocks_prefix_key(req.hash_ids, self.key_blocks),
                 prefix_blocks=req.hash_ids,
                 block_tokens=req.block_tokens,
                 prompt_tokens=req.input_length,
+                engine_keys=None if self.kv is None else PromptKeys(partial(_trace_tokens, req)),
             )
             job = _Inflight(req, cluster.now, route)
             verdict, ticket = self.admission.offer(
@@ -285,25 +541,61 @@ def replay(
     warmup: float = 0.1,
     max_num_batched_tokens: int = 1024,
     gateways: int = 1,
+    sharing: str = "shared",
+    kv_events: bool = True,
 ) -> dict[str, Any]:
     """Replay ``workload`` with arrival times multiplied by ``scale`` (0: all at once) through
     ``profile``; the measured figures of one run. Latencies leave out the requests that arrived
     in the first ``warmup`` share of the replay (while the caps converge from their start value).
-    With ``gateways`` > 1, that many independent gateways (each its own registry, caps, queue and
-    router state) share the replicas, and each request goes to one of them at random."""
-    cluster = VirtualCluster(preset, replicas, seed=seed, max_num_batched_tokens=max_num_batched_tokens)
+    With ``gateways`` > 1, that many gateways share the replicas, and each request goes to one
+    of them at random; with ``sharing`` ``"shared"`` they share load through the shared state
+    (:mod:`router.shared`, on a :class:`VirtualLoadBoard` standing in for Redis), with
+    ``"unshared"`` each keeps its own registry, caps, queue and router state. ``kv_events``: the
+    replicas publish their KV events and every gateway follows them (:class:`VirtualKVEvents`)."""
+    if sharing not in SHARING_MODES:
+        raise ValueError(f"sharing must be one of {SHARING_MODES}, not {sharing!r}")
+    cluster = VirtualCluster(
+        preset,
+        replicas,
+        seed=seed,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_kv_cache_events=kv_events,
+    )
     fleet = fleet or bench_fleet(replicas)
+    kv = VirtualKVEvents(cluster) if kv_events else None
+    board = (
+        VirtualLoadBoard(VirtualClock(cluster), ttl_s=fleet.gateway.shared_state_ttl_s)
+        if gateways > 1 and sharing == "shared"
+        else None
+    )
+    loop = asyncio.new_event_loop() if board is not None else None
     gws = [
-        VirtualGateway(cluster, fleet, profile, seed=seed + i, key_blocks=key_blocks, number=i)
+        VirtualGateway(
+            cluster,
+            fleet,
+            profile,
+            seed=seed + i,
+            key_blocks=key_blocks,
+            number=i,
+            store=VirtualLoadStore(board, f"gw{i}") if board is not None else None,
+            kv=kv,
+            loop=loop,
+        )
         for i in range(gateways)
     ]
+    if kv is not None:
+        kv.busy = lambda: any(gw.outstanding for gw in gws)
     spread = random.Random(seed)  # an L4 balancer in front: any request to any gateway
     t0 = workload[0].arrival_s if workload else 0.0
     for req in workload:
         gw = gws[spread.randrange(gateways)] if gateways > 1 else gws[0]
         gw.arrive(req, (req.arrival_s - t0) * scale)
     wall = time.perf_counter()
-    cluster.run()
+    try:
+        cluster.run()
+    finally:
+        if loop is not None:
+            loop.close()
     wall = time.perf_counter() - wall
     served = [o for gw in gws for o in gw.served]
     horizon = max((o.arrival for o in served), default=0.0) * warmup
@@ -370,7 +662,11 @@ def _workloads(trace: Any, quick: bool, limit: int | None) -> list[tuple[str, li
     out: list[tuple[str, list[TraceRequest], str]] = []
     if files:
         for f in files:
-            out.append((Path(f).name, load_trace(f), f"trace file {Path(f).name}"))
+            if f == "synthetic":
+                reqs = synthetic_workload(duration_s=3600.0)
+                out.append(("synthetic", reqs, f"built-in synthetic workload ({len(reqs)} requests)"))
+            else:
+                out.append((Path(f).name, load_trace(f), f"trace file {Path(f).name}"))
     else:
         for name in DEFAULT_TRACES:
             found = find_trace(name, Path(__file__).resolve().parents[1])
@@ -400,12 +696,16 @@ def run(
     load_basis: str = "peak",
     preset: str | None = None,
     gateways: str | int | None = None,
+    kv_events: str | bool = "on",
     **_: Any,
 ) -> list[dict[str, Any]]:
     """Every preset x trace x load x policy; rows as in the module docstring."""
     if load_basis not in ("peak", "mean"):
         raise click.UsageError(f"--load-basis must be 'peak' or 'mean', not {load_basis!r}")
     n_replicas = int(replicas)
+    if str(kv_events).lower() not in ("on", "off", "true", "false"):
+        raise click.UsageError(f"--kv-events must be 'on' or 'off', not {kv_events!r}")
+    events = str(kv_events).lower() in ("on", "true")
     load_levels = [float(x) for x in loads.split(",")] if loads else ([0.8] if quick else [0.5, 0.8, 0.95])
     profiles = policies.split(",") if policies else list(BUILTIN_PROFILES)
     limit = int(requests) if requests is not None else None
@@ -433,6 +733,7 @@ def run(
                     int(seed),
                     load_basis,
                     gateway_counts,
+                    events,
                 )
             )
     return rows
@@ -451,6 +752,7 @@ def _run_trace(
     seed: int,
     load_basis: str,
     gateway_counts: list[int],
+    kv_events: bool = True,
 ) -> list[dict[str, Any]]:
     if quick and limit is None:
         # About four minutes of virtual time at 80% load: enough for the caps to settle.
@@ -478,10 +780,18 @@ def _run_trace(
         f"(with clairvoyant eviction instead of LRU: {clairvoyant:.3f})"
     )
 
-    def row(load: float, policy: str, gateways: int) -> dict[str, Any]:
+    def row(load: float, policy: str, gateways: int, sharing: str = "shared") -> dict[str, Any]:
         scale = basis_rate / (load * capacity) if capacity > 0 else 1.0
         m = replay(
-            workload, policy, scale=scale, replicas=n_replicas, preset=preset, seed=seed, gateways=gateways
+            workload,
+            policy,
+            scale=scale,
+            replicas=n_replicas,
+            preset=preset,
+            seed=seed,
+            gateways=gateways,
+            sharing=sharing,
+            kv_events=kv_events and sharing == "shared",
         )
         return {
             "preset": preset,
@@ -489,6 +799,8 @@ def _run_trace(
             "load": load,
             "policy": policy,
             "gateways": gateways,
+            "sharing": sharing if gateways > 1 else "single",
+            "kv_events": kv_events and sharing == "shared",
             "ttft_p50_s": m["ttft_p50_s"],
             "ttft_p95_s": m["ttft_p95_s"],
             "ttft_p99_s": m["ttft_p99_s"],
@@ -516,7 +828,9 @@ def _run_trace(
     if ideal > 0:
         # Several gateways that share no state: what each cache-aware policy loses to them.
         load = 0.8 if 0.8 in load_levels else load_levels[len(load_levels) // 2]
-        rows += [row(load, policy, n) for n in gateway_counts for policy in profiles if policy in CACHE_AWARE]
+        for n in gateway_counts:
+            rows += [row(load, policy, n) for policy in profiles]
+            rows += [row(load, policy, n, "unshared") for policy in profiles if policy in CACHE_AWARE]
     _print(rows, preset, name)
     return rows
 
@@ -560,8 +874,9 @@ def _print(rows: list[dict[str, Any]], preset: str, trace: str) -> None:
     if many:
         one = {(r["load"], r["policy"]): r for r in mine}
         click.echo(
-            f"\n{trace} through several gateways that share no state, each request to one at random "
-            f"({many[0]['load']:.0%} load; vs_one = against one gateway; x RR = against one gateway's round robin)"
+            f"\n{trace} through several gateways, each request to one at random ({many[0]['load']:.0%} load; "
+            "sharing: shared = load through the shared state and KV events, unshared = each gateway on its "
+            "own counts and estimates; vs_one = against one gateway; x RR = against one gateway's round robin)"
         )
         table = []
         for r in many:
@@ -571,6 +886,7 @@ def _print(rows: list[dict[str, Any]], preset: str, trace: str) -> None:
                 {
                     "policy": r["policy"],
                     "gateways": r["gateways"],
+                    "sharing": r["sharing"],
                     "ttft_p95": _fmt_ms(r["ttft_p95_s"]),
                     "x_rr": f"{r['ttft_p95_s'] / rr['ttft_p95_s']:.2f}"
                     if rr and rr["ttft_p95_s"] > 0

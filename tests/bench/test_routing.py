@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.routing import peak_rate, replay, run
-from bench.traces import TraceRequest, synthetic_workload
+from bench.routing import (
+    KV_EVENT_LATENCY_S,
+    PRESET,
+    STORE_RTT_S,
+    VirtualClock,
+    VirtualGateway,
+    VirtualKVEvents,
+    VirtualLoadBoard,
+    VirtualLoadStore,
+    bench_fleet,
+    peak_rate,
+    replay,
+    run,
+    trace_token_ids,
+)
+from bench.traces import TraceRequest, block_hashes, synthetic_workload
+from replicas.sim.virtual import SimRequest, VirtualCluster
+from replicas.wire.kv_events import KVCacheEvent
+from router.kv_events import PromptKeys
 
 COLUMNS = {
     "trace",
@@ -113,10 +131,121 @@ def test_an_unknown_preset_fails_before_any_replay(tmp_path: Path) -> None:
         _run_tiny(tmp_path, preset="no-such-gpu")
 
 
-def test_several_gateways_share_the_replicas_but_not_their_state(tmp_path: Path) -> None:
+def test_several_gateways_share_load_and_keep_an_unshared_reference(tmp_path: Path) -> None:
     rows = _run_tiny(tmp_path, gateways="2")
-    # One gateway for every policy, then two for the cache-aware ones only.
-    assert [(r["policy"], r["gateways"]) for r in rows] == [("tidal", 1), ("round_robin", 1), ("tidal", 2)]
-    one, _, two = rows
-    assert two["requests"] == one["requests"] == 120 and two["refused"] == 0
-    assert 0 < two["prefix_hit_ratio"] <= two["ideal_hit_ratio"] + 1e-9
+    # One gateway for every policy, two sharing state for every policy, then two that share
+    # nothing (the reference) for the cache-aware ones only.
+    assert [(r["policy"], r["gateways"], r["sharing"]) for r in rows] == [
+        ("tidal", 1, "single"),
+        ("round_robin", 1, "single"),
+        ("tidal", 2, "shared"),
+        ("round_robin", 2, "shared"),
+        ("tidal", 2, "unshared"),
+    ]
+    assert [r["kv_events"] for r in rows] == [True, True, True, True, False]
+    one, _, shared, _, unshared = rows
+    for two in (shared, unshared):
+        assert two["requests"] == one["requests"] == 120 and two["refused"] == 0
+        assert 0 < two["prefix_hit_ratio"] <= two["ideal_hit_ratio"] + 1e-9
+
+
+def _two_gateways() -> tuple[VirtualCluster, VirtualGateway, VirtualGateway, asyncio.AbstractEventLoop]:
+    cluster = VirtualCluster(PRESET, 2)
+    board = VirtualLoadBoard(VirtualClock(cluster))
+    loop = asyncio.new_event_loop()
+    fleet = bench_fleet(2)
+    a, b = (
+        VirtualGateway(cluster, fleet, "tidal", number=i, store=VirtualLoadStore(board, f"gw{i}"), loop=loop)
+        for i in range(2)
+    )
+    return cluster, a, b, loop
+
+
+def test_a_gateway_sees_anothers_requests_after_the_store_round_trip_not_before() -> None:
+    cluster, a, b, loop = _two_gateways()
+    assert a.shared is not None and b.shared is not None
+    try:
+        b.registry.acquire(b.states[0], prompt_tokens=500)
+        cluster.run(until=1.0)
+        loop.run_until_complete(b.shared.sync_once())  # B publishes at 1.0
+        cluster.run(until=1.0 + STORE_RTT_S / 2)
+        loop.run_until_complete(a.shared.sync_once())  # too early: still on its way
+        assert a.states[0].remote_inflight == 0
+        assert a.registry.views("interactive")[0].inflight == 0
+        cluster.run(until=1.0 + STORE_RTT_S)
+        loop.run_until_complete(a.shared.sync_once())
+        assert (a.states[0].remote_inflight, a.states[0].remote_prefill_tokens) == (1, 500)
+        view = a.registry.views("interactive")[0]
+        assert view.inflight == 1 and view.prefill_tokens == 500
+        assert a.registry.free_slots("interactive") == 2 * a.states[0].cap.value - 1
+        # B's request ends: A's view empties once B has published that (its peak first, then 0).
+        b.registry.release(b.states[0])
+        for t in (1.1, 1.2):
+            cluster.run(until=t)
+            loop.run_until_complete(b.shared.sync_once())
+        cluster.run(until=1.2 + STORE_RTT_S)
+        loop.run_until_complete(a.shared.sync_once())
+        assert a.states[0].remote_inflight == 0
+    finally:
+        loop.close()
+
+
+def test_a_gateway_that_stops_publishing_stops_counting_after_the_ttl() -> None:
+    cluster, a, b, loop = _two_gateways()
+    assert a.shared is not None and b.shared is not None
+    try:
+        b.registry.acquire(b.states[1])
+        loop.run_until_complete(b.shared.sync_once())
+        cluster.run(until=0.5)
+        loop.run_until_complete(a.shared.sync_once())
+        assert a.states[1].remote_inflight == 1
+        cluster.run(until=0.5 + a.fleet.gateway.shared_state_ttl_s)
+        loop.run_until_complete(a.shared.sync_once())
+        assert a.states[1].remote_inflight == 0
+    finally:
+        loop.close()
+
+
+def test_every_gateway_follows_the_replicas_kv_events_after_their_latency() -> None:
+    cluster = VirtualCluster(PRESET, 2, enable_kv_cache_events=True)
+    kv = VirtualKVEvents(cluster)
+    req = TraceRequest(
+        arrival_s=0.0, input_length=2048, output_length=4, hash_ids=(7, 8, 9, 10), block_tokens=512
+    )
+    hashes = block_hashes(req, 16)
+    done: list[float] = []
+    cluster.submit(
+        1,
+        SimRequest(
+            "r", max_tokens=4, block_hashes=hashes, num_prompt_tokens=2048, on_first_token=done.append
+        ),
+    )
+    keys = PromptKeys(lambda: trace_token_ids(hashes, 16, 2048))
+    cluster.run(until=0.001)
+    assert kv.indexes[1].leading(keys(16)) == 0  # the engine has not cached it yet
+    cluster.run()
+    assert done
+    # Every block the engine can hit (the last token is recomputed) is in replica 1's index only.
+    assert kv.indexes[1].leading(keys(16)) == (2048 - 1) // 16
+    assert kv.indexes[0].leading(keys(16)) == 0
+    # Events reach the index KV_EVENT_LATENCY_S after the step that made them.
+    cluster2 = VirtualCluster(PRESET, 1, enable_kv_cache_events=True)
+    kv2 = VirtualKVEvents(cluster2)
+    sent: list[float] = []
+    publish = cluster2.engines[0].on_kv_events
+    assert publish is not None
+
+    def spy(events: list[KVCacheEvent]) -> None:
+        sent.append(cluster2.now)
+        publish(events)
+
+    cluster2.engines[0].on_kv_events = spy
+    cluster2.submit(0, SimRequest("r", max_tokens=4, block_hashes=hashes, num_prompt_tokens=2048))
+    cluster2.run(until=0.0)
+    while not sent:
+        cluster2.run(until=cluster2.now + 0.001)
+    first = sent[0]
+    cluster2.run(until=first + KV_EVENT_LATENCY_S / 2)
+    assert len(kv2.indexes[0]) == 0
+    cluster2.run(until=first + KV_EVENT_LATENCY_S)
+    assert len(kv2.indexes[0]) > 0
