@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -233,9 +233,12 @@ class GatewayAdmin:
         group: str = "stable",
         weight: float = 1.0,
         max_loras: int = 0,
+        kv_events: Mapping[str, str | None] | None = None,
     ) -> None:
-        """``POST /admin/replicas``; a name that already exists (409) counts as registered."""
-        body = {
+        """``POST /admin/replicas``; a name that already exists (409) counts as registered.
+        ``kv_events`` (``endpoint``, ``replay_endpoint``, ``topic``) is where the replica
+        publishes its KV-cache events, for the gateways to follow."""
+        body: dict[str, Any] = {
             "name": name,
             "url": url,
             "pool": pool,
@@ -243,6 +246,8 @@ class GatewayAdmin:
             "weight": weight,
             "max_loras": max_loras,
         }
+        if kv_events is not None:
+            body["kv_events"] = dict(kv_events)
         await self._write_all("POST", "/admin/replicas", body, ok=(409,))
 
     async def update(

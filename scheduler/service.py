@@ -171,6 +171,7 @@ def _template(pool: PoolSpec) -> LocalTemplate | None:
         args=tuple(r.launch.args),
         group=r.group,
         max_loras=r.max_loras,
+        kv_events=r.kv_events is not None,
     )
 
 

@@ -172,6 +172,7 @@ class ReplicaRegistry(Protocol):
         group: str = "stable",
         weight: float = 1.0,
         max_loras: int = 0,
+        kv_events: Mapping[str, str | None] | None = None,
     ) -> None: ...
 
     async def update(

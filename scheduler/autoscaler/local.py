@@ -52,6 +52,7 @@ class LocalTemplate:
     args: Sequence[str] = ()
     group: str = "stable"
     max_loras: int = 0
+    kv_events: bool = False  # publish KV-cache events (free ports), announced when registering
 
     def __post_init__(self) -> None:
         if self.kind == "sim" and not self.preset:
@@ -124,6 +125,7 @@ class LocalProcessActuator:
                 name=name,
                 args=["--served-model-name", t.served_model_name, *t.args],
                 log_path=log_path,
+                kv_events=t.kv_events,
             )
         assert t.model_dir is not None
         return vllm_process(
@@ -134,6 +136,7 @@ class LocalProcessActuator:
             served_model_name=t.served_model_name,
             max_loras=t.max_loras,
             extra_args=tuple(t.args),
+            kv_events=t.kv_events,
         )
 
     def _pool(self, pool: str) -> dict[str, _Managed]:
@@ -189,10 +192,7 @@ class LocalProcessActuator:
                 listed = {r.name for r in await self.registry.replicas()}
                 for pool, m in ready:
                     if m.name not in listed:
-                        t = self.templates[pool]
-                        await self.registry.register(
-                            m.name, m.proc.url, pool, group=t.group, max_loras=t.max_loras
-                        )
+                        await self._register(pool, m)
                         self.reregistered += 1
                         log.warning(
                             "local actuator: the gateway did not list %s; registered it again", m.name
@@ -210,11 +210,22 @@ class LocalProcessActuator:
         m.task = asyncio.create_task(self._bring_up(pool, m), name=f"bring-up-{name}")
         log.info("local actuator: starting %s on %s for pool %s", name, proc.url, pool)
 
-    async def _bring_up(self, pool: str, m: _Managed) -> None:
+    async def _register(self, pool: str, m: _Managed) -> None:
+        """Register ``m`` with the gateway, with where it publishes KV events when it does."""
         t = self.templates[pool]
+        kv = m.proc.kv_events
+        events = None
+        if kv is not None:
+            endpoint, replay = m.proc.kv_events_addresses()
+            events = {"endpoint": endpoint, "replay_endpoint": replay, "topic": kv.topic}
+        await self.registry.register(
+            m.name, m.proc.url, pool, group=t.group, max_loras=t.max_loras, kv_events=events
+        )
+
+    async def _bring_up(self, pool: str, m: _Managed) -> None:
         try:
             await asyncio.to_thread(m.proc.wait_ready, self.ready_timeout_s)
-            await self.registry.register(m.name, m.proc.url, pool, group=t.group, max_loras=t.max_loras)
+            await self._register(pool, m)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

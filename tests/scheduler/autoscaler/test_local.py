@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_foreve
 class Registry:
     def __init__(self) -> None:
         self.registered: dict[str, tuple[str, str, str]] = {}
+        self.kv_events: dict[str, Mapping[str, str | None] | None] = {}
         self.log: list[tuple[str, str]] = []
 
     async def replicas(self) -> list[ReplicaView]:
@@ -49,8 +51,10 @@ class Registry:
         group: str = "stable",
         weight: float = 1.0,
         max_loras: int = 0,
+        kv_events: Mapping[str, str | None] | None = None,
     ) -> None:
         self.registered[name] = (url, pool, group)
+        self.kv_events[name] = kv_events
         self.log.append(("register", name))
 
     async def update(
@@ -183,3 +187,53 @@ def test_templates_are_checked() -> None:
         LocalTemplate(kind="sim", served_model_name="m")
     with pytest.raises(ValueError):
         LocalTemplate(kind="vllm", served_model_name="m")
+
+
+async def test_a_replica_started_for_a_pool_whose_replicas_publish_kv_events_announces_its_own(
+    tmp_path: Path,
+) -> None:
+    """A pool whose launched replicas publish KV events gets copies that publish too, on ports of
+    their own, and register with where they publish, so the gateways follow them at once."""
+    import zmq
+
+    from replicas.wire.kv_events import decode_batch
+
+    registry = Registry()
+    template = LocalTemplate(kind="sim", preset="fast-test", served_model_name="m", kv_events=True)
+    actuator = LocalProcessActuator(
+        {"interactive": template}, registry=registry, log_dir=tmp_path, ready_timeout_s=60
+    )
+    try:
+        await actuator.scale("interactive", 2)
+
+        async def both_registered() -> bool:
+            return len(registry.registered) == 2
+
+        await until(both_registered, 60)
+        specs = list(registry.kv_events.values())
+        assert all(s is not None and s["endpoint"] and s["replay_endpoint"] for s in specs)
+        assert len({s["endpoint"] for s in specs if s}) == 2  # each on its own port
+        # What it announced is where it publishes: a request's blocks arrive there.
+        name, (url, _, _) = next(iter(registry.registered.items()))
+        spec = registry.kv_events[name]
+        assert spec is not None and spec["endpoint"] is not None
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, (spec["topic"] or "").encode())
+        sub.connect(spec["endpoint"])
+        try:
+            import httpx
+
+            await asyncio.sleep(0.3)  # the subscription reaches the publisher
+            async with httpx.AsyncClient() as http:
+                r = await http.post(
+                    url + "/v1/completions", json={"model": "m", "prompt": "a b c " * 40, "max_tokens": 1}
+                )
+                assert r.status_code == 200
+            assert await asyncio.to_thread(sub.poll, 5000)
+            *_, payload = sub.recv_multipart()
+            batch, _ = decode_batch(payload)
+            assert batch.events
+        finally:
+            sub.close(0)
+    finally:
+        await actuator.aclose()
