@@ -761,8 +761,14 @@ class ProxyResponse(Response):
                     job.disconnected()
                     return
 
-        watcher = asyncio.get_running_loop().create_task(watch())
+        loop = asyncio.get_running_loop()
+        watcher = loop.create_task(watch())
+        # The job runs as a task of its own: a stream resumes once per token, and a resumption
+        # walks every frame that awaits it -- here the server's, each middleware's and the
+        # endpoint's; in its own task, only the proxy's. Cancelling this coroutine cancels the
+        # task it awaits.
+        runner = loop.create_task(self._run(job, send))
         try:
-            await self._run(job, send)
+            await runner
         finally:
             watcher.cancel()
