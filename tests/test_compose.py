@@ -4,8 +4,12 @@
 and follow every interactive replica's KV events: each gateway's ``TIDAL_REDIS_URL`` names the
 Redis service, the fleet config they mount validates with the project's own loader, every
 interactive replica has ``kv_events`` whose host is a service of the same files, and the replica
-binds those very ports (``tidal sim --kv-events-endpoint``, vLLM ``--kv-events-config``). The
-checks collect problems, so each case below that breaks one file must name what broke.
+binds those very ports (``tidal sim --kv-events-endpoint``, vLLM ``--kv-events-config``). On
+Kubernetes the interactive pool is a Deployment that the scheduler's Kubernetes actuator scales
+and registers pod by pod: the fleet's ``autoscale.kubernetes`` target names that Deployment, its
+``kv_events`` ports are the ones the vLLM container binds, a NetworkPolicy admits only the gateways
+to them, and the scheduler may scale the Deployment and list its pods. The checks collect
+problems, so each case below that breaks one file must name what broke.
 """
 
 from __future__ import annotations
@@ -389,6 +393,58 @@ def _selects(service: Doc, workload: Doc) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
+def _subset(selector: Mapping[str, str] | None, labels: Mapping[str, str]) -> bool:
+    return selector is not None and all(labels.get(k) == v for k, v in selector.items())
+
+
+def _policy_problems(docs: list[Doc], dep: Doc, gw: Doc, ports: list[int]) -> list[str]:
+    """The KV-event ports of ``dep``'s pods admit the gateway pods and nothing else."""
+    ns = dep["metadata"].get("namespace", "default")
+    labels = dep["spec"]["template"]["metadata"].get("labels", {})
+    gw_labels = gw["spec"]["template"]["metadata"].get("labels", {})
+    name = dep["metadata"]["name"]
+    policies = [
+        d
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+        and d["metadata"].get("namespace", "default") == ns
+        and _subset(d["spec"].get("podSelector", {}).get("matchLabels", {}), labels)
+        and "Ingress" in d["spec"].get("policyTypes", ["Ingress"])
+    ]
+    if not policies:
+        return [f"{name}: no NetworkPolicy keeps its KV-event ports {ports} to the gateways"]
+    problems = []
+    rules = [r for p in policies for r in p["spec"].get("ingress", [])]
+    for port in ports:
+        covering = [r for r in rules if "ports" not in r or any(p.get("port") == port for p in r["ports"])]
+        if any("from" not in r for r in covering):
+            problems.append(f"{name}: KV-event port {port} is open to every pod, not only the gateways")
+        elif not any(
+            _subset(f.get("podSelector", {}).get("matchLabels"), gw_labels)
+            for r in covering
+            for f in r["from"]
+        ):
+            problems.append(f"{name}: no NetworkPolicy admits the gateways to KV-event port {port}")
+    return problems
+
+
+def _rbac_problems(docs: list[Doc], scheduler: Doc) -> list[str]:
+    """The scheduler's service account may scale Deployments and list (register) their pods."""
+    account = scheduler["spec"]["template"]["spec"].get("serviceAccountName")
+    roles = {
+        b["roleRef"]["name"]
+        for b in docs
+        if b["kind"] == "RoleBinding"
+        and any(s.get("kind") == "ServiceAccount" and s.get("name") == account for s in b.get("subjects", []))
+    }
+    rules = [r for d in docs if d["kind"] == "Role" and d["metadata"]["name"] in roles for r in d["rules"]]
+    problems = []
+    for resource, verb in (("deployments", "get"), ("deployments/scale", "patch"), ("pods", "list")):
+        if not any(resource in r.get("resources", []) and verb in r.get("verbs", []) for r in rules):
+            problems.append(f"tidal-scheduler: its Role does not allow {verb} on {resource}")
+    return problems
+
+
 def k8s_problems(docs: list[Doc]) -> list[str]:
     """What is wrong with several gateways, Redis and KV events in the manifests (none: [])."""
     problems: list[str] = []
@@ -441,47 +497,52 @@ def k8s_problems(docs: list[Doc]) -> list[str]:
     fleet = _fleet(cm["data"]["fleet.yaml"], "tidal-fleet")
     if isinstance(fleet, str):
         return [*problems, fleet]
-    listed: set[str] = set()
-    for pool, replica in fleet.all_replicas():
+    # The interactive pool is a Deployment the scheduler's Kubernetes actuator scales and whose
+    # ready pods it registers, by pod IP, with the ports of the target's kv_events.
+    actuator = _flag(_containers(workloads["tidal-scheduler"])[0]["args"], "--actuator") or "auto"
+    for pool in fleet.pools.values():
         if pool.kind != "interactive":
             continue
-        where = f"tidal-fleet: {replica.name}"
-        host, port = _host_port(replica.base_url, 80)
-        if replica.kv_events is None:
-            problems.append(f"{where}: no kv_events")
+        where = f"tidal-fleet: pool {pool.name}"
+        for replica in pool.replicas:
+            if replica.kv_events is None:
+                problems.append(f"tidal-fleet: {replica.name}: no kv_events")
+        target = pool.autoscale.kubernetes if pool.autoscale is not None else None
+        if target is None:
+            if not pool.replicas:
+                problems.append(f"{where}: no replicas and no Kubernetes target to register them")
             continue
-        ep_host = _host_port(replica.kv_events.endpoint)[0]
-        pod, _, svc_name = ep_host.partition(".")
-        svc = services.get(svc_name)
-        sts = next(
+        if actuator not in ("auto", "kubernetes"):
+            problems.append(
+                f"tidal-scheduler: --actuator {actuator} neither scales nor registers {pool.name}"
+            )
+        dep = next(
             (
-                w
-                for w in workloads.values()
-                if w["kind"] == "StatefulSet" and w["spec"]["serviceName"] == svc_name
+                d
+                for d in docs
+                if d["kind"] == "Deployment"
+                and d["metadata"]["name"] == target.deployment
+                and d["metadata"].get("namespace", "default") == target.namespace
             ),
             None,
         )
-        if svc is None or sts is None or svc["spec"].get("clusterIP") != "None":
-            problems.append(f"{where}: {ep_host} is no pod of a StatefulSet under a headless Service")
+        if dep is None:
+            problems.append(f"{where}: no Deployment {target.namespace}/{target.deployment} to scale")
             continue
-        ordinals = {f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"].get("replicas", 1))}
-        if pod not in ordinals:
-            problems.append(f"{where}: {pod} is not a pod of {sts['metadata']['name']}")
-        listed.add(pod)
-        if host != ep_host:
-            problems.append(f"{where}: serves at {host} but publishes at {ep_host}")
-        ports = {p["port"] for p in svc["spec"]["ports"]}
-        for ep in filter(
-            None, (replica.base_url, replica.kv_events.endpoint, replica.kv_events.replay_endpoint)
-        ):
-            if _host_port(ep, 80)[1] not in ports:
-                problems.append(f"{where}: Service {svc_name} does not expose the port of {ep}")
-        argv = [str(a) for c in _containers(sts) for a in c.get("args", [])]
-        problems += _check_binds(where, argv, replica.kv_events.endpoint, replica.kv_events.replay_endpoint)
-    for sts in (w for w in workloads.values() if w["kind"] == "StatefulSet" and w is not gw):
-        pods = {f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"].get("replicas", 1))}
-        if pods & listed and pods - listed:
-            problems.append(f"{sts['metadata']['name']}: pods {sorted(pods - listed)} are not in the fleet")
+        name = target.deployment
+        argv = [str(a) for c in _containers(dep) for a in c.get("args", [])]
+        if int(_flag(argv, "--port") or 8000) != target.port:
+            problems.append(
+                f"{where}: registers port {target.port}, {name} serves on {_flag(argv, '--port')}"
+            )
+        if target.kv_events is None:
+            problems.append(f"{where}: the Kubernetes target has no kv_events, its pods' events go unread")
+            continue
+        kv = target.kv_events
+        replay = f"tcp://POD_IP:{kv.replay_port}" if kv.replay_port is not None else None
+        problems += _check_binds(f"{where} ({name})", argv, f"tcp://POD_IP:{kv.port}", replay)
+        problems += _policy_problems(docs, dep, gw, [p for p in (kv.port, kv.replay_port) if p is not None])
+    problems += _rbac_problems(docs, workloads["tidal-scheduler"])
     for model in fleet.models:
         if model.tokenizer is None:
             problems.append(
@@ -520,8 +581,8 @@ def test_kubernetes_manifests_have_the_production_shape() -> None:
         ("Deployment", "tidal-worker-spot"),
         ("Deployment", "tidal-worker-shared"),
         ("Deployment", "tidal-flower"),
-        ("StatefulSet", "vllm-interactive"),
-        ("Service", "vllm-interactive"),
+        ("Deployment", "vllm-interactive"),
+        ("NetworkPolicy", "vllm-interactive-kv-events"),
     ]:
         assert (kind, name) in kinds, (kind, name)
 
@@ -539,19 +600,66 @@ def _k8s_drop_redis_url(docs: list[Doc]) -> None:
     c["env"] = [e for e in c["env"] if e["name"] != "TIDAL_REDIS_URL"]
 
 
-def _k8s_scale_vllm(docs: list[Doc]) -> None:
-    _find(docs, "StatefulSet", "vllm-interactive")["spec"]["replicas"] = 3
+def _k8s_fleet(old: str, new: str) -> Callable[[list[Doc]], None]:
+    def change(docs: list[Doc]) -> None:
+        cm = _find(docs, "ConfigMap", "tidal-fleet")
+        assert old in cm["data"]["fleet.yaml"]
+        cm["data"]["fleet.yaml"] = cm["data"]["fleet.yaml"].replace(old, new)
+
+    return change
+
+
+def _k8s_vllm_as_statefulset(docs: list[Doc]) -> None:
+    dep = _find(docs, "Deployment", "vllm-interactive")
+    dep["kind"] = "StatefulSet"
+    dep["spec"]["serviceName"] = "vllm-interactive"
 
 
 def _k8s_drop_kv_config(docs: list[Doc]) -> None:
-    c = _containers(_find(docs, "StatefulSet", "vllm-interactive"))[0]
+    c = _containers(_find(docs, "Deployment", "vllm-interactive"))[0]
     i = c["args"].index("--kv-events-config")
     del c["args"][i : i + 2]
 
 
+def _k8s_other_publish_port(docs: list[Doc]) -> None:
+    c = _containers(_find(docs, "Deployment", "vllm-interactive"))[0]
+    i = c["args"].index("--kv-events-config")
+    cfg = json.loads(c["args"][i + 1])
+    c["args"][i + 1] = json.dumps({**cfg, "endpoint": "tcp://*:6557"})
+
+
+def _k8s_policy_without(port: int) -> Callable[[list[Doc]], None]:
+    def change(docs: list[Doc]) -> None:
+        for rule in _find(docs, "NetworkPolicy", "vllm-interactive-kv-events")["spec"]["ingress"]:
+            rule["ports"] = [p for p in rule.get("ports", []) if p["port"] != port]
+
+    return change
+
+
+def _k8s_policy_open(docs: list[Doc]) -> None:
+    for rule in _find(docs, "NetworkPolicy", "vllm-interactive-kv-events")["spec"]["ingress"]:
+        rule.pop("from", None)
+
+
+def _k8s_no_policy(docs: list[Doc]) -> None:
+    docs.remove(_find(docs, "NetworkPolicy", "vllm-interactive-kv-events"))
+
+
+def _k8s_scheduler_gauge(docs: list[Doc]) -> None:
+    _containers(_find(docs, "Deployment", "tidal-scheduler"))[0]["args"] += ["--actuator", "gauge"]
+
+
+def _k8s_no_pod_listing(docs: list[Doc]) -> None:
+    role = _find(docs, "Role", "tidal-scheduler")
+    role["rules"] = [r for r in role["rules"] if "pods" not in r["resources"]]
+
+
 def _k8s_hide_replay_port(docs: list[Doc]) -> None:
-    svc = _find(docs, "Service", "vllm-interactive")
-    svc["spec"]["ports"] = [p for p in svc["spec"]["ports"] if p["port"] != 5558]
+    c = _containers(_find(docs, "Deployment", "vllm-interactive"))[0]
+    i = c["args"].index("--kv-events-config")
+    cfg = json.loads(c["args"][i + 1])
+    del cfg["replay_endpoint"]
+    c["args"][i + 1] = json.dumps(cfg)
 
 
 def _k8s_one_gateway_for_the_scheduler(docs: list[Doc]) -> None:
@@ -560,24 +668,51 @@ def _k8s_one_gateway_for_the_scheduler(docs: list[Doc]) -> None:
     del c["args"][i - 1 : i + 1]
 
 
-def _k8s_other_publish_port(docs: list[Doc]) -> None:
-    c = _containers(_find(docs, "StatefulSet", "vllm-interactive"))[0]
-    i = c["args"].index("--kv-events-config")
-    cfg = json.loads(c["args"][i + 1])
-    c["args"][i + 1] = json.dumps({**cfg, "endpoint": "tcp://*:6557"})
-
-
 @pytest.mark.parametrize(
     ("change", "problem"),
     [
         (_k8s_drop_redis_url, "tidal-gateway: TIDAL_REDIS_URL is not set"),
-        (_k8s_scale_vllm, "vllm-interactive: pods ['vllm-interactive-2'] are not in the fleet"),
-        (_k8s_drop_kv_config, "publishes no KV-event endpoint"),
-        (_k8s_hide_replay_port, "does not expose the port of tcp://vllm-interactive-0.vllm-interactive:5558"),
         (_k8s_one_gateway_for_the_scheduler, "tidal-scheduler: --gateway"),
+        (
+            _k8s_fleet("deployment: vllm-interactive", "deployment: vllm-chat"),
+            "tidal-fleet: pool interactive: no Deployment tidal/vllm-chat to scale",
+        ),
+        (_k8s_vllm_as_statefulset, "no Deployment tidal/vllm-interactive to scale"),
+        (
+            _k8s_fleet("kv_events: {port: 5557, replay_port: 5558}", ""),
+            "the Kubernetes target has no kv_events",
+        ),
+        (
+            _k8s_fleet("port: 5557,", "port: 5559,"),
+            "binds KV-event endpoint tcp://*:5557, the fleet connects to tcp://POD_IP:5559",
+        ),
+        (_k8s_fleet("port: 8000\n", "port: 8001\n"), "registers port 8001"),
+        (_k8s_drop_kv_config, "(vllm-interactive): publishes no KV-event endpoint"),
         (_k8s_other_publish_port, "binds KV-event endpoint tcp://*:6557"),
+        (_k8s_hide_replay_port, "publishes no KV-event replay_endpoint"),
+        (_k8s_policy_without(5558), "no NetworkPolicy admits the gateways to KV-event port 5558"),
+        (_k8s_policy_open, "KV-event port 5557 is open to every pod"),
+        (_k8s_no_policy, "vllm-interactive: no NetworkPolicy keeps its KV-event ports"),
+        (_k8s_scheduler_gauge, "tidal-scheduler: --actuator gauge neither scales nor registers"),
+        (_k8s_no_pod_listing, "tidal-scheduler: its Role does not allow list on pods"),
     ],
-    ids=["no-redis-url", "unlisted-pod", "no-events", "replay-port", "scheduler", "publish-port"],
+    ids=[
+        "no-redis-url",
+        "scheduler",
+        "target-missing",
+        "statefulset",
+        "target-no-events",
+        "target-port",
+        "http-port",
+        "no-events",
+        "publish-port",
+        "replay-port",
+        "policy-port",
+        "policy-open",
+        "no-policy",
+        "gauge-actuator",
+        "rbac",
+    ],
 )
 def test_broken_kubernetes_manifests_name_what_broke(
     change: Callable[[list[Doc]], None], problem: str

@@ -51,6 +51,7 @@ __all__ = [
     "GateSpec",
     "GatewaySpec",
     "KVEventsSpec",
+    "KubernetesKVEventsSpec",
     "KubernetesTargetSpec",
     "LaunchSpec",
     "ModelSpec",
@@ -223,13 +224,42 @@ class ScheduledEventSpec(_Strict):
         return self
 
 
+class KubernetesKVEventsSpec(_Strict):
+    """The ports on which every pod of a Kubernetes-scaled pool publishes its KV-cache events (vLLM
+    ``--kv-events-config`` binding ``tcp://*:<port>`` and, optionally, a replay socket on
+    ``tcp://*:<replay_port>``). Each ready pod is registered with ``tcp://<pod IP>:<port>``,
+    ``tcp://<pod IP>:<replay_port>`` and ``topic`` as its ``kv_events``."""
+
+    port: int = Field(ge=1, le=65535)
+    replay_port: int | None = Field(default=None, ge=1, le=65535)
+    topic: str = Field(default="", max_length=256)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> KubernetesKVEventsSpec:
+        if self.replay_port == self.port:
+            raise ValueError("replay_port must differ from port")
+        return self
+
+
 class KubernetesTargetSpec(_Strict):
     """The Deployment whose ``scale`` subresource the Kubernetes actuator sets for a pool; its
-    ready pods are registered with the gateway as ``http://<pod IP>:<port>``."""
+    ready pods are registered with the gateway as ``http://<pod IP>:<port>``, with where they
+    publish KV-cache events when ``kv_events`` is given, e.g.::
+
+        kubernetes: {deployment: vllm-interactive, namespace: tidal, port: 8000,
+                     kv_events: {port: 5557, replay_port: 5558}}
+    """
 
     deployment: Name
     namespace: Name = "default"
     port: int = Field(default=8000, ge=1, le=65535)
+    kv_events: KubernetesKVEventsSpec | None = None
+
+    @model_validator(mode="after")
+    def _ports_apart(self) -> KubernetesTargetSpec:
+        if self.kv_events is not None and self.port in (self.kv_events.port, self.kv_events.replay_port):
+            raise ValueError("kv_events ports must differ from the HTTP port")
+        return self
 
 
 class CapacityPlanSpec(_Strict):

@@ -7,7 +7,9 @@ The client is synchronous, so calls run in a worker thread.
 
 With a ``registry`` (the gateway admin API), every observation also keeps routing in step with
 the pods: each **ready** pod of the Deployment is registered as ``<pod name>`` at
-``http://<pod IP>:<port>``; a registered replica named like the Deployment's pods
+``http://<pod IP>:<port>`` -- with ``kv_events`` ``tcp://<pod IP>:<kv_events.port>`` (and the
+replay port) when the target has a ``kv_events`` block, so every gateway follows the pod's
+KV-cache events from its registration on; a registered replica named like the Deployment's pods
 (``<deployment>-...``) whose pod is gone or not ready is deregistered (the gateway drains it).
 Replicas listed in the fleet config are never touched.
 
@@ -46,6 +48,18 @@ def load_kubernetes_configuration() -> Any:
     except config.ConfigException:
         config.load_kube_config()  # type: ignore[no-untyped-call]
     return client.Configuration.get_default_copy()
+
+
+def _kv_events(t: KubernetesTargetSpec, host: str) -> dict[str, str | None] | None:
+    """Where a pod at ``host`` (an IP, IPv6 in brackets) publishes KV events, if the pool's do."""
+    kv = t.kv_events
+    if kv is None:
+        return None
+    return {
+        "endpoint": f"tcp://{host}:{kv.port}",
+        "replay_endpoint": f"tcp://{host}:{kv.replay_port}" if kv.replay_port is not None else None,
+        "topic": kv.topic,
+    }
 
 
 class KubernetesActuator:
@@ -104,7 +118,7 @@ class KubernetesActuator:
             label_selector=selector,
             _request_timeout=self.timeout_s,
         )
-        serving: dict[str, str] = {}
+        serving: dict[str, tuple[str, dict[str, str | None] | None]] = {}
         for pod in pods.items:
             name = pod.metadata.name if pod.metadata else None
             ip = pod.status.pod_ip if pod.status else None
@@ -113,12 +127,18 @@ class KubernetesActuator:
             conditions = (pod.status.conditions if pod.status else None) or []
             if any(c.type == "Ready" and c.status == "True" for c in conditions):
                 host = f"[{ip}]" if ":" in ip else ip
-                serving[name] = f"http://{host}:{t.port}"
+                serving[name] = (f"http://{host}:{t.port}", _kv_events(t, host))
         registered = {v.name for v in await self.registry.replicas() if v.pool == pool}
-        for name, url in serving.items():
+        for name, (url, events) in serving.items():
             if name not in registered:
-                await self.registry.register(name, url, pool)
-                log.info("kubernetes: pod %s ready at %s, registered in pool %s", name, url, pool)
+                await self.registry.register(name, url, pool, kv_events=events)
+                log.info(
+                    "kubernetes: pod %s ready at %s%s, registered in pool %s",
+                    name,
+                    url,
+                    f" (KV events at {events['endpoint']})" if events else "",
+                    pool,
+                )
         for name in registered:
             if name.startswith(f"{t.deployment}-") and name not in serving:
                 await self.registry.deregister(name)

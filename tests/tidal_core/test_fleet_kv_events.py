@@ -9,7 +9,7 @@ import pytest
 
 from tidal.cli.up import kv_events_args, plan_parts
 from tidal.defaults import DEFAULT_FLEET_PATH
-from tidal.fleet import FleetConfigError, KVEventsSpec, load_fleet, parse_fleet
+from tidal.fleet import FleetConfigError, KubernetesKVEventsSpec, KVEventsSpec, load_fleet, parse_fleet
 
 
 def fleet(*replicas: dict[str, Any], tokenizer: str | None = None) -> dict[str, Any]:
@@ -65,6 +65,42 @@ def test_two_replicas_cannot_share_an_endpoint() -> None:
     same = {"endpoint": "tcp://h:5557"}
     with pytest.raises(FleetConfigError, match="kv_events endpoints: duplicate name 'tcp://h:5557'"):
         parse_fleet(fleet(replica("a", 9001, same), replica("b", 9002, same)))
+
+
+def autoscaled(kv: Any) -> dict[str, Any]:
+    f = fleet()
+    target = {"deployment": "vllm-interactive", "namespace": "tidal", "port": 8000, "kv_events": kv}
+    f["pools"]["interactive"]["autoscale"] = {"kubernetes": target}
+    return f
+
+
+def test_a_kubernetes_target_names_the_ports_its_pods_publish_on() -> None:
+    f = parse_fleet(autoscaled({"port": 5557, "replay_port": 5558}))
+    spec = f.pools["interactive"].autoscale
+    assert spec is not None and spec.kubernetes is not None
+    assert spec.kubernetes.kv_events == KubernetesKVEventsSpec(port=5557, replay_port=5558, topic="")
+    plain = parse_fleet(autoscaled({"port": 5557, "topic": "kv"})).pools["interactive"].autoscale
+    assert plain is not None and plain.kubernetes is not None and plain.kubernetes.kv_events is not None
+    assert plain.kubernetes.kv_events.replay_port is None and plain.kubernetes.kv_events.topic == "kv"
+
+
+@pytest.mark.parametrize(
+    ("kv", "expected"),
+    [
+        ({"port": 5557, "replay_port": 5557}, "kubernetes.kv_events: replay_port must differ from port"),
+        ({"port": 8000}, "kubernetes: kv_events ports must differ from the HTTP port"),
+        ({"port": 5557, "replay_port": 8000}, "kv_events ports must differ from the HTTP port"),
+        ({"port": 70000}, "kubernetes.kv_events.port"),
+        ({"port": 0}, "kubernetes.kv_events.port"),
+        ({"port": 5557, "replay": 5558}, "kubernetes.kv_events.replay: unknown key"),
+        ({"endpoint": "tcp://h:5557"}, "kubernetes.kv_events.endpoint: unknown key"),
+        ({"replay_port": 5558}, "kubernetes.kv_events.port"),
+    ],
+)
+def test_bad_kubernetes_event_ports_are_refused_naming_the_key(kv: dict[str, Any], expected: str) -> None:
+    with pytest.raises(FleetConfigError) as err:
+        parse_fleet(autoscaled(kv))
+    assert "pools.interactive.autoscale.kubernetes" in str(err.value) and expected in str(err.value)
 
 
 def test_launch_blocks_bind_the_fleets_ports(tmp_path: Path) -> None:

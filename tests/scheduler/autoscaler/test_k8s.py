@@ -173,12 +173,14 @@ class Registry:
         self.views: dict[str, ReplicaView] = {
             "static-0": ReplicaView("static-0", "http://10.9.9.9:8000", "interactive")
         }
+        self.kv_events: dict[str, Any] = {}
 
     async def replicas(self) -> list[ReplicaView]:
         return list(self.views.values())
 
-    async def register(self, name: str, url: str, pool: str, **_: Any) -> None:
+    async def register(self, name: str, url: str, pool: str, *, kv_events: Any = None, **_: Any) -> None:
         self.views[name] = ReplicaView(name, url, pool)
+        self.kv_events[name] = None if kv_events is None else dict(kv_events)
 
     async def update(self, name: str, **_: Any) -> None:
         pass
@@ -187,7 +189,12 @@ class Registry:
         self.views.pop(name, None)
 
 
-def actuator(server: FakeApiServer, token: str = TOKEN, registry: Registry | None = None) -> Any:
+def actuator(
+    server: FakeApiServer,
+    token: str = TOKEN,
+    registry: Registry | None = None,
+    interactive: KubernetesTargetSpec | None = None,
+) -> Any:
     from kubernetes import client
 
     from scheduler.autoscaler.k8s import KubernetesActuator
@@ -197,7 +204,7 @@ def actuator(server: FakeApiServer, token: str = TOKEN, registry: Registry | Non
     config.api_key_prefix = {"BearerToken": "Bearer"}
     return KubernetesActuator(
         {
-            "interactive": KubernetesTargetSpec(deployment="vllm", namespace="llm"),
+            "interactive": interactive or KubernetesTargetSpec(deployment="vllm", namespace="llm"),
             "ghost": KubernetesTargetSpec(deployment="none"),
         },
         configuration=config,
@@ -248,6 +255,57 @@ async def test_ready_pods_are_registered_and_gone_ones_deregistered(api_server: 
         assert await act.replace("interactive", "vllm-abc")
         assert ("llm", "vllm-abc") not in api_server.pods and "vllm-abc" not in registry.views
         assert not await act.replace("interactive", "vllm-abc")
+    finally:
+        await act.aclose()
+
+
+async def test_ready_pods_are_registered_with_where_they_publish_kv_events(api_server: FakeApiServer) -> None:
+    # Given a pool whose pods publish KV events on 5557 with replay on 5558, one pod on IPv6
+    api_server.pods[("llm", "vllm-def")] = ("fd00::6", True)
+    target = KubernetesTargetSpec.model_validate(
+        {
+            "deployment": "vllm",
+            "namespace": "llm",
+            "kv_events": {"port": 5557, "replay_port": 5558, "topic": "kv"},
+        }
+    )
+    registry = Registry()
+    act = actuator(api_server, registry=registry, interactive=target)
+    try:
+        # When the actuator observes the pool
+        await act.observe("interactive", None)
+        # Then each ready pod is registered with its URL and its event endpoints on the pod's IP
+        assert {n: v.url for n, v in registry.views.items() if n != "static-0"} == {
+            "vllm-abc": "http://10.0.0.5:8000",
+            "vllm-def": "http://[fd00::6]:8000",
+        }
+        assert registry.kv_events == {
+            "vllm-abc": {
+                "endpoint": "tcp://10.0.0.5:5557",
+                "replay_endpoint": "tcp://10.0.0.5:5558",
+                "topic": "kv",
+            },
+            "vllm-def": {
+                "endpoint": "tcp://[fd00::6]:5557",
+                "replay_endpoint": "tcp://[fd00::6]:5558",
+                "topic": "kv",
+            },
+        }
+    finally:
+        await act.aclose()
+    # Without a replay port, none is announced; without a kv_events block, no events at all
+    registry = Registry()
+    plain = KubernetesTargetSpec.model_validate(
+        {"deployment": "vllm", "namespace": "llm", "kv_events": {"port": 6000}}
+    )
+    act = actuator(api_server, registry=registry, interactive=plain)
+    try:
+        await act.observe("interactive", None)
+        assert registry.kv_events["vllm-abc"] == {
+            "endpoint": "tcp://10.0.0.5:6000",
+            "replay_endpoint": None,
+            "topic": "",
+        }
     finally:
         await act.aclose()
 
