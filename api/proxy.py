@@ -27,7 +27,7 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -739,7 +739,7 @@ class Proxy:
 class ProxyResponse(Response):
     """A response whose body is produced by the proxy, with the client's disconnect watched."""
 
-    def __init__(self, job: ProxyJob, run: Callable[[ProxyJob, Send], Awaitable[None]]) -> None:
+    def __init__(self, job: ProxyJob, run: Callable[[ProxyJob, Send], Coroutine[Any, Any, None]]) -> None:
         self.job = job
         self._run = run
         self.status_code = 200
