@@ -239,6 +239,9 @@ def vllm_command(
     return argv + list(extra_args)
 
 
+_VLLM_SITE = Path(__file__).resolve().parent / "vllm_site"
+
+
 def vllm_process(
     model_dir: str | Path,
     *,
@@ -267,6 +270,10 @@ def vllm_process(
         "DO_NOT_TRACK": "1",
         **(env or {}),
     }
+    # Every process of the replica asks for the AMX tile state first (see the module there).
+    vllm_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(_VLLM_SITE), vllm_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p
+    )
     proc = ReplicaProcess(name, argv, port=port, env=vllm_env, log_path=log_path)
     proc.kv_events = kv
     return proc
