@@ -155,7 +155,6 @@ class _Watch:
     through as started, so the hold is bounded."""
 
     __slots__ = (
-        "_clock",
         "_decoder",
         "_last",
         "_left",
@@ -176,7 +175,6 @@ class _Watch:
     def __init__(
         self, clock: Clock, assembler: Assembler | None = None, limit: int = _HOLD_LIMIT, choices: int = 1
     ) -> None:
-        self._clock = clock
         self._now = clock.now
         self._one_choice = choices == 1
         self._decoder = SSEDecoder()
@@ -218,7 +216,7 @@ class _Watch:
             output = output or found == "token"
             kind = kind or found
         if output:
-            self.t_last = self._clock.now()
+            self.t_last = self._now()
             if self.t_first is None:
                 self.t_first = self.t_last
         return kind or ("token" if self._left < 0 else None)

@@ -98,6 +98,15 @@ class ReplicaProcess:
         replay = connect_address(cfg.replay_endpoint, self.host) if cfg.replay_endpoint else None
         return connect_address(cfg.endpoint, self.host), replay
 
+    def kv_events_spec(self) -> dict[str, str | None] | None:
+        """Where a gateway follows this replica's KV events, in the shape of a fleet replica's
+        ``kv_events`` and of ``POST /admin/replicas`` (``endpoint``, ``replay_endpoint``,
+        ``topic``); ``None`` when it publishes none."""
+        if self.kv_events is None:
+            return None
+        endpoint, replay = self.kv_events_addresses()
+        return {"endpoint": endpoint, "replay_endpoint": replay, "topic": self.kv_events.topic}
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None

@@ -213,13 +213,8 @@ class LocalProcessActuator:
     async def _register(self, pool: str, m: _Managed) -> None:
         """Register ``m`` with the gateway, with where it publishes KV events when it does."""
         t = self.templates[pool]
-        kv = m.proc.kv_events
-        events = None
-        if kv is not None:
-            endpoint, replay = m.proc.kv_events_addresses()
-            events = {"endpoint": endpoint, "replay_endpoint": replay, "topic": kv.topic}
         await self.registry.register(
-            m.name, m.proc.url, pool, group=t.group, max_loras=t.max_loras, kv_events=events
+            m.name, m.proc.url, pool, group=t.group, max_loras=t.max_loras, kv_events=m.proc.kv_events_spec()
         )
 
     async def _bring_up(self, pool: str, m: _Managed) -> None:

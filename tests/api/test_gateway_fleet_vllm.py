@@ -49,11 +49,6 @@ SYSTEM = {
 }
 
 
-def _kv_spec(p: Any) -> dict[str, Any]:
-    pub, replay = p.kv_events_addresses()
-    return {"endpoint": pub, "replay_endpoint": replay, "topic": p.kv_events.topic}
-
-
 def _hits(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     return sum(s.value for s in parse_samples(text) if s.name == "vllm:prefix_cache_hits_total")
@@ -72,7 +67,7 @@ def gateways(
     fleet = fleet_dict([p.url for p in replicas], wait_budget_s=30.0)
     fleet["models"][0]["tokenizer"] = str(tiny_model_root / "model")
     for spec, p in zip(fleet["pools"]["interactive"]["replicas"], replicas, strict=True):
-        spec["kv_events"] = _kv_spec(p)
+        spec["kv_events"] = p.kv_events_spec()
     fleet["gateway"]["shared_state_interval_s"] = 0.05
     fleet["gateway"]["shared_state_ttl_s"] = BOUND_S
     env = {"TIDAL_REDIS_URL": REDIS, "TIDAL_REDIS_NAMESPACE": f"tidal-test-{secrets.token_hex(4)}"}

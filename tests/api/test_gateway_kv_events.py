@@ -45,9 +45,9 @@ def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ReplicaProce
 
 
 def kv_spec(p: ReplicaProcess) -> dict[str, Any]:
-    pub, replay = p.kv_events_addresses()
-    assert p.kv_events is not None
-    return {"endpoint": pub, "replay_endpoint": replay, "topic": p.kv_events.topic}
+    spec = p.kv_events_spec()
+    assert spec is not None
+    return spec
 
 
 @pytest.fixture(scope="module")
