@@ -14,7 +14,8 @@ that waits happens inside it, where the client's disconnect is watched:
    unhealthy) is retried once on another replica. After that the bytes stream through untouched
    (an upstream chunk is parsed only until the first token); a failure mid-stream ends the stream
    with ``data: {"error": {..., "code": "upstream_failed", "retryable": true}}`` and
-   ``data: [DONE]``.
+   ``data: [DONE]``. A non-streaming request is answered only once its stream has ended, so a
+   stream that breaks part-way is retried once like a failure before the first token.
 4. **Disconnect**: when the client goes away the upstream connection is closed (vLLM aborts the
    request), a queued request leaves the queue, and nothing more is sent.
 """
@@ -669,7 +670,7 @@ class Proxy:
             self.registry.first_token(target.state, job.plan.prompt_tokens)
         self.metrics.first_token(job.plan.pool or "external", job.plan.class_name, t_first - job.arrived)
         if watch.assembler is not None:
-            return await self._assembled(job, chunks, watch, send, kind, target)
+            return await self._assembled(job, chunks, watch, send, kind, may_retry)
         await send(
             {
                 "type": "http.response.start",
@@ -703,9 +704,10 @@ class Proxy:
         watch: _Watch,
         send: Send,
         kind: str | None,
-        target: _Target,
+        may_retry: bool,
     ) -> tuple[float | None, bool]:
-        """Read the rest of the stream, then answer with the assembled JSON (or the error)."""
+        """Read the rest of the stream, then answer with the assembled JSON (or the error). A
+        stream that breaks raises while a retry is allowed: the client has seen nothing yet."""
         assert watch.assembler is not None
         try:
             if kind == "token":
@@ -714,6 +716,8 @@ class Proxy:
         except ReplicaStreamError as exc:
             if job.client_gone:
                 return None, False
+            if may_retry:
+                raise
             await _send_json(
                 send,
                 502,

@@ -81,8 +81,8 @@ def _replicas(gw: Gateway) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in gw.admin("GET", "/admin/replicas").json()["data"]}
 
 
-def _stream(gw: Gateway, tokens: int, content: str) -> int:
-    """One streamed chat request read to its end; its HTTP status."""
+def _stream(gw: Gateway, tokens: int, content: str, stop: threading.Event | None = None) -> int:
+    """One streamed chat request read to its end (or until ``stop`` is set); its HTTP status."""
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": content}],
@@ -92,7 +92,8 @@ def _stream(gw: Gateway, tokens: int, content: str) -> int:
     }
     with gw.sse(body, timeout=120) as resp:
         for _ in resp.iter_bytes():
-            pass
+            if stop is not None and stop.is_set():
+                break
         return resp.status_code
 
 
@@ -342,18 +343,27 @@ def test_workers_share_load_through_redis_and_are_refused_without_it(
     out = subprocess.run(refused.argv, env=refused.env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "TIDAL_REDIS_URL" in out.stderr
     # With it, two processes serve one port and count each other's requests.
-    proc = _workers_gateway(tmp, _fleet(sims), _env(SHARED_REDIS, f"tidal-test-{secrets.token_hex(4)}"), 2)
+    fleet = _fleet(sims)
+    # Counts are checked for a while here, not their expiry: a worker the machine leaves
+    # unscheduled for a couple of seconds must not look gone.
+    fleet["gateway"]["shared_state_ttl_s"] = 10.0
+    proc = _workers_gateway(tmp, fleet, _env(SHARED_REDIS, f"tidal-test-{secrets.token_hex(4)}"), 2)
     proc.start()
     try:
         proc.wait_ready(60)
         gw = Gateway(proc, proc.url)
         assert _wait(lambda: gw.metric("tidal_gateway_shared_state_gateways") == 2, 15, 0.1)
+        stop = threading.Event()
         with ThreadPoolExecutor(8) as pool:
-            streams = [pool.submit(_stream, gw, 300, f"worker stream {i}") for i in range(8)]
-            # Each /admin call (a new connection) lands on either worker; both count all eight.
-            assert _wait(lambda: sum(r["inflight_all"] for r in _replicas(gw).values()) == 8, 10)
-            for _ in range(10):
-                assert sum(r["inflight_all"] for r in _replicas(gw).values()) == 8
+            # Streams far longer than the checks (about 15 s); the client closes them at the end.
+            streams = [pool.submit(_stream, gw, 1500, f"worker stream {i}", stop) for i in range(8)]
+            try:
+                # Each /admin call (a new connection) lands on either worker; both count all eight.
+                assert _wait(lambda: sum(r["inflight_all"] for r in _replicas(gw).values()) == 8, 10)
+                for _ in range(10):
+                    assert sum(r["inflight_all"] for r in _replicas(gw).values()) == 8
+            finally:
+                stop.set()
             assert all(s.result() == 200 for s in streams)
     finally:
         t0 = time.monotonic()

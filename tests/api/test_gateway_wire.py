@@ -57,6 +57,7 @@ class QuirkyReplica:
     def __init__(self) -> None:
         self.port = 0
         self.requests = 0
+        self._broken: set[str] = set()  # markers whose first stream was cut (``break_once``)
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -141,6 +142,10 @@ class QuirkyReplica:
                     data = b": framed with CRLF\r\n" + data
                 writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                 await writer.drain()
+                if request.get("break_once") and i == 2 and marker not in self._broken:
+                    self._broken.add(marker)  # the engine dies part-way through this answer
+                    writer.transport.abort()
+                    return
                 if request.get("slow") and 1 <= i <= len(words):
                     await asyncio.sleep(TOKEN_GAP_S)
             done = b"data: [DONE]\r\n\r\n"
@@ -365,3 +370,35 @@ def test_a_client_that_leaves_is_not_a_replica_failure(gateway: tuple[Gateway, Q
     assert gw.metric("tidal_gateway_upstream_errors_total") == errors
     assert load["pools"]["interactive"]["error_rate"] == 0.0
     assert all(g["errors"] == 0 for g in load["groups"].values())
+
+
+def test_a_stream_that_breaks_part_way_is_retried_only_where_the_client_saw_nothing(
+    gateway: tuple[Gateway, QuirkyReplica],
+) -> None:
+    """Kept last: the broken streams count as the replica's failures."""
+    gw, replica = gateway
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=DEV_KEY, max_retries=0)
+    # A non-streaming answer reaches the client only once its stream has ended: one retry, and
+    # the client gets the whole answer.
+    before, retries = replica.requests, gw.metric("tidal_gateway_retries_total")
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "cut one two three"}],
+        extra_body={"break_once": True},
+    )
+    assert reply.choices[0].message.content == "cut one two three"
+    assert replica.requests - before == 2 and gw.metric("tidal_gateway_retries_total") == retries + 1
+    # A streaming one already passed tokens on: it ends with a retryable error event, not retried.
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "cut four five six"}],
+        "stream": True,
+        "break_once": True,
+    }
+    before = replica.requests
+    with gw.sse(body) as resp:
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert error["code"] == "upstream_failed" and error["retryable"] is True
+    assert replica.requests - before == 1
