@@ -60,9 +60,11 @@ __all__ = [
     "PoolSpec",
     "ProfilePluginRef",
     "ProfileSpec",
+    "QuotaSpec",
     "ReplicaSpec",
     "RouterSpec",
     "ScheduledEventSpec",
+    "TenantBatchSpec",
     "TenantSpec",
     "check_zmq_endpoint",
     "hash_api_key",
@@ -487,14 +489,38 @@ class ExternalProviderSpec(_Strict):
     region: Name | None = None
 
 
+class QuotaSpec(_Strict):
+    """A tenant's rate limits across every gateway (absent: no limit). Tokens count the prompt
+    and ``max_tokens`` at admission, settled with the real usage when the answer ends."""
+
+    requests_per_minute: int | None = Field(default=None, gt=0, le=1_000_000_000)
+    tokens_per_minute: int | None = Field(default=None, gt=0, le=1_000_000_000_000)
+
+
+class TenantBatchSpec(_Strict):
+    """A tenant's bounds in the batch tier (absent: no bound): lines of its unfinished batches
+    (a submission that would pass it is refused), and lines of its chunks handed to the broker
+    and not yet finished (its other chunks wait their turn, interleaved with other tenants')."""
+
+    max_lines_queued: int | None = Field(default=None, gt=0, le=1_000_000_000)
+    max_lines_in_flight: int | None = Field(default=None, gt=0, le=1_000_000_000)
+
+
 class TenantSpec(_Strict):
     """A tenant, its API keys (stored as ``sha256:<hex>`` hashes) and the features it may use
-    (``["*"]`` or none listed: every feature)."""
+    (``["*"]`` or none listed: every feature).
+
+    ``weight`` is its share under contention, against the other tenants of the same class
+    (admission picks across tenants in proportion; alone, a tenant gets everything); ``quota``
+    its rate limits; ``batch`` its bounds in the batch tier."""
 
     name: Name
     key_hashes: list[str] = Field(default_factory=list)
     features: list[FeatureRef] = Field(default_factory=list)
     admin: bool = False
+    weight: float = Field(default=1.0, gt=0.0, le=1000.0)
+    quota: QuotaSpec = Field(default_factory=QuotaSpec)
+    batch: TenantBatchSpec = Field(default_factory=TenantBatchSpec)
 
     @field_validator("key_hashes")
     @classmethod
@@ -684,6 +710,11 @@ class FleetConfig(_Strict):
 
     def adapter(self, name: str) -> AdapterSpec | None:
         return next((a for a in self.adapters if a.name == name), None)
+
+    def tenant(self, name: str) -> TenantSpec | None:
+        """The tenant called ``name``; ``None`` for one the config does not list (the development
+        key's): weight 1, no quota, no batch bounds."""
+        return next((t for t in self.tenants if t.name == name), None)
 
     def adapter_for(self, name: str, tenant: str) -> AdapterSpec | None:
         """The adapter ``name`` as ``tenant`` sees it: ``None`` when unknown or bound to others."""
