@@ -92,6 +92,10 @@ class InteractiveService:
             max_queue=fleet.gateway.max_queue,
             overflow_available=fleet.external_provider is not None,
             on_outcome=self.metrics.outcome,
+            policy=fleet.gateway.admission_policy,
+            weight=self._tenant_weight,
+            remote_inflight=self._remote_tenant_inflight,
+            on_push_out=lambda ticket: self.proxy.pushed_out(ticket),
         )
         self.metrics.attach_live(self.registry, self.admission)
         self.adapters = AdapterManager(
@@ -202,6 +206,14 @@ class InteractiveService:
             code="model_not_found",
         )
 
+    def _tenant_weight(self, tenant: str) -> float:
+        spec = self.fleet.tenant(tenant)
+        return spec.weight if spec is not None else 1.0
+
+    def _remote_tenant_inflight(self, pool: str, tenant: str) -> int:
+        shared = self.shared
+        return shared.remote_tenants.get((pool, tenant), 0) if shared is not None else 0
+
     def prepare(
         self,
         path: str,
@@ -280,7 +292,7 @@ class InteractiveService:
             regions=plan.regions,
             engine_keys=engine_keys,
         )
-        job = ProxyJob(path, body, stream, plan, route, adapter, arrived)
+        job = ProxyJob(path, body, stream, plan, route, adapter, arrived, tenant=principal.tenant)
         return ProxyResponse(job, self.proxy.run)
 
     # -- admin ------------------------------------------------------------------------------------

@@ -119,6 +119,7 @@ class ProxyJob:
     handle: UpstreamHandle | None = None
     waiter: asyncio.Future[str] | None = None
     raw_send: Send | None = None  # the server's send, past the middleware wrappers
+    tenant: str = ""
 
     def disconnected(self) -> None:
         self.client_gone = True
@@ -161,6 +162,7 @@ class _Watch:
         "_left",
         "_now",
         "_one_choice",
+        "_passing",
         "_t_before",
         "_tail",
         "assembler",
@@ -178,6 +180,7 @@ class _Watch:
     ) -> None:
         self._now = clock.now
         self._one_choice = choices == 1
+        self._passing = False  # past the first token of one choice passed through: see feed
         self._decoder = SSEDecoder()
         self._left = limit
         self._last: bytes | None = None  # the last event counted unparsed (one choice)
@@ -196,6 +199,26 @@ class _Watch:
         """The kind of the first event of note in ``piece``: ``"token"``, ``"error"``, ``"done"``
         (or ``"token"`` once the hold limit is passed), else ``None``."""
         self._left -= len(piece)
+        if (
+            # Past the first token of one choice passed through, a piece that is one whole
+            # single-line data event (a token, the usage chunk, the end) with nothing pending is
+            # counted here, without the decoder: this runs once per streamed token.
+            self._passing
+            and piece[-2:] == b"\n\n"
+            and piece[:6] == b"data: "
+            and piece.count(b"\n") == 2
+            and b"\r" not in piece
+            and self._decoder.idle
+        ):
+            data = piece[6:-2]
+            if data == b"[DONE]":
+                self.done = True
+            else:
+                self._tail += 1
+                self._last = data
+                self._t_before = self.t_last
+                self.t_last = self._now()
+            return "token"
         if self.broken:
             return "token"
         try:
@@ -220,6 +243,7 @@ class _Watch:
             self.t_last = self._now()
             if self.t_first is None:
                 self.t_first = self.t_last
+                self._passing = self._one_choice and self.assembler is None
         return kind or ("token" if self._left < 0 else None)
 
     def _parsed(self, data: bytes) -> str | None:
@@ -413,30 +437,36 @@ class Proxy:
             wait_budget_s=plan.class_spec.wait_budget_s,
             feature=plan.feature,
             regulated=not plan.overflow_allowed,
+            tenant=job.tenant,
         )
-        if verdict.decision is Decision.QUEUE:
-            verdict = await self._wait(job, ticket)
-            if job.client_gone:
-                return
-        if verdict.decision is Decision.REJECT:
-            retry_after = verdict.retry_after_s or 1
-            await _send_json(
-                send,
-                429,
-                error_body(
+        # No coroutine of its own for the rest: a stream resumes once per token through every
+        # frame awaiting it.
+        try:
+            if verdict.decision is Decision.QUEUE:
+                verdict = await self._wait(job, ticket)
+                if job.client_gone:
+                    return
+            if verdict.decision is Decision.REJECT:
+                retry_after = verdict.retry_after_s or 1
+                await _send_json(
+                    send,
                     429,
-                    f"The '{pool}' pool is saturated ({verdict.reason}); retry after {retry_after} s.",
-                    code="pool_saturated",
-                ),
-                ((b"retry-after", str(retry_after).encode()),),
-            )
-            self.metrics.request_done(pool, None, failed=False)
-            return
-        if verdict.decision is Decision.OVERFLOW:
-            await self._external(job, send)
-            return
-        self.metrics.queued(pool, plan.class_name, ticket.waited_s)
-        await self._serve(job, ticket, send)
+                    error_body(
+                        429,
+                        f"The '{pool}' pool is saturated ({verdict.reason}); retry after {retry_after} s.",
+                        code="pool_saturated",
+                    ),
+                    ((b"retry-after", str(retry_after).encode()),),
+                )
+                self.metrics.request_done(pool, None, failed=False)
+                return
+            if verdict.decision is Decision.OVERFLOW:
+                await self._external(job, send)
+                return
+            self.metrics.queued(pool, job.plan.class_name, ticket.waited_s)
+            await self._serve(job, ticket, send)
+        finally:
+            self.admission.finished(ticket)
 
     async def _wait(self, job: ProxyJob, ticket: Ticket) -> Verdict:
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -452,7 +482,15 @@ class Proxy:
         if result == "gone":
             self.admission.withdraw(ticket)
             return Verdict(Decision.REJECT, retry_after_s=1, reason="the client went away")
+        if result == "pushed_out" and ticket.verdict is not None:
+            return ticket.verdict
         return Verdict(Decision.ADMIT)
+
+    def pushed_out(self, ticket: Ticket) -> None:
+        """Admission made room in a full queue by refusing ``ticket`` (its verdict says how)."""
+        fut = ticket.payload
+        if isinstance(fut, asyncio.Future) and not fut.done():
+            fut.set_result("pushed_out")
 
     # -- replicas ---------------------------------------------------------------------------------
 

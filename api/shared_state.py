@@ -129,6 +129,7 @@ def build_shared_load(
         ttl_s=gw.shared_state_ttl_s,
         timeout_s=min(1.5, gw.shared_state_ttl_s * 0.75),
         queue_depth=admission.queue_depth,
+        tenant_load=lambda: admission.held,
         on_freed=on_freed,
         on_sync=observed,
     )

@@ -5,10 +5,10 @@ routing benchmark (virtual time) run the very same object:
 
 * a request whose pool has a free slot (replica in-flight caps minus slots already granted) and
   no waiter of its class or a more urgent one ahead is **admitted** at once;
-* otherwise it **queues** -- FIFO per class, strict class priority (smaller vLLM priority first)
-  -- if the gateway queue has room and the wait the pool's measured drain rate predicts fits the
-  class's wait budget; a queued request is granted a slot by :meth:`Admission.wake` when one
-  frees, or expires at its budget's end. The rate counts as measured once the window holds
+* otherwise it **queues** -- strict class priority (smaller vLLM priority first), and within a
+  class **fair across tenants** -- if the gateway queue has room and the wait the pool's measured
+  drain rate predicts fits the class's wait budget; a queued request is granted a slot by
+  :meth:`Admission.wake` when one frees, or expires at its budget's end. The rate counts as measured once the window holds
   ``MIN_DRAIN_SAMPLES`` completions: a burst after a calm spell, when one or two recent
   completions would predict a wait many times too long, queues and is bounded by its deadline;
 * a request that cannot queue or that expired **overflows** to the external provider when one is
@@ -17,6 +17,17 @@ routing benchmark (virtual time) run the very same object:
   never does), else is **rejected** with ``Retry-After`` computed from the drain rate (requests
   ahead / completions per second).
 
+**Fair share within a class** (``policy="fair"``, the default): each tenant waits in its own
+arrival-order queue, and a freed slot goes to the waiting tenant holding the fewest slots of the
+pool per unit of weight -- its requests admitted here and not finished, plus what the other
+gateways report (``remote_inflight``, from :mod:`router.shared`), so that a tenant's share is of
+the pool, not of one gateway. It is work-conserving: a tenant alone gets every slot, and a
+tenant that asks for less than its share gets all it asks for (max-min fairness over slots).
+The wait predicted for a newcomer counts only the requests the fair order serves before it, and
+when the gateway queue is full a newcomer whose tenant queues less than its share pushes out the
+newest waiter of the tenant that queues the most per weight (``on_push_out`` tells that waiter).
+``policy="fifo"`` is the earlier behaviour, one arrival order per class, kept as a baseline.
+
 Every outcome is counted per class and feature (``admitted``, ``queued``, ``rejected_429``,
 ``overflowed``, ``context_cap_400``, ``errors``).
 
@@ -24,9 +35,9 @@ Example::
 
     admission = Admission(capacity=registry, clock=clock, max_queue=256, overflow_available=True)
     verdict, ticket = admission.offer("interactive", "interactive", priority=0, wait_budget_s=2,
-                                      feature="chat", regulated=False)
+                                      feature="chat", regulated=False, tenant="acme")
     if verdict.decision is Decision.QUEUE: ...          # wait for wake() or the deadline
-    admission.started(ticket); ...; admission.completed("interactive")
+    admission.started(ticket); ...; admission.completed("interactive"); admission.finished(ticket)
 """
 
 from __future__ import annotations
@@ -42,7 +53,18 @@ from typing import Any, Protocol
 from priority.window import SlidingWindow
 from tidal.clock import Clock
 
-__all__ = ["MIN_DRAIN_SAMPLES", "Admission", "CapacitySource", "Decision", "Outcome", "Ticket", "Verdict"]
+__all__ = [
+    "MIN_DRAIN_SAMPLES",
+    "POLICIES",
+    "Admission",
+    "CapacitySource",
+    "Decision",
+    "Outcome",
+    "Ticket",
+    "Verdict",
+]
+
+POLICIES = ("fair", "fifo")
 
 # Completions in the window before the drain rate may refuse a request on its expected wait.
 MIN_DRAIN_SAMPLES = 5
@@ -92,8 +114,11 @@ class Ticket:
     arrived_at: float
     deadline: float
     payload: Any = None
-    state: str = "new"  # new -> waiting -> granted -> started; or late/expired/withdrawn
+    tenant: str = ""
+    # new -> waiting -> granted -> started -> finished; or late/expired/withdrawn/pushed_out
+    state: str = "new"
     granted_at: float | None = None
+    verdict: Verdict | None = None  # why a waiting ticket was pushed out
 
     @property
     def waited_s(self) -> float:
@@ -101,13 +126,46 @@ class Ticket:
 
 
 @dataclass
+class _Level:
+    """The waiters of one class priority in one pool: per tenant, in arrival order."""
+
+    by_tenant: dict[str, deque[Ticket]] = field(default_factory=dict)
+    size: int = 0
+
+    def push(self, ticket: Ticket) -> None:
+        self.by_tenant.setdefault(ticket.tenant, deque()).append(ticket)
+        self.size += 1
+
+    def remove(self, ticket: Ticket) -> bool:
+        dq = self.by_tenant.get(ticket.tenant)
+        if dq is None:
+            return False
+        try:
+            dq.remove(ticket)
+        except ValueError:
+            return False
+        if not dq:
+            del self.by_tenant[ticket.tenant]
+        self.size -= 1
+        return True
+
+    def pop(self, tenant: str) -> Ticket:
+        dq = self.by_tenant[tenant]
+        ticket = dq.popleft()
+        if not dq:
+            del self.by_tenant[tenant]
+        self.size -= 1
+        return ticket
+
+
+@dataclass
 class _PoolQueue:
-    by_priority: dict[int, deque[Ticket]] = field(default_factory=dict)
+    by_priority: dict[int, _Level] = field(default_factory=dict)
     granted: int = 0  # slots handed out whose requests have not started yet
     size: int = 0
 
     def ahead_of(self, priority: int) -> int:
-        return sum(len(q) for p, q in self.by_priority.items() if p <= priority)
+        return sum(level.size for p, level in self.by_priority.items() if p <= priority)
 
 
 class Admission:
@@ -121,6 +179,12 @@ class Admission:
     * ``overflow_available`` -- an external provider is configured.
     * ``window_s`` -- the sliding window of the drain rate and queue-wait statistics.
     * ``on_outcome`` -- called with ``(class, feature, outcome)`` for every counted outcome.
+    * ``policy`` -- ``"fair"`` across tenants within a class, or ``"fifo"`` (see the module doc).
+    * ``weight`` -- a tenant's weight (default: 1 for every tenant).
+    * ``remote_inflight`` -- ``(pool, tenant)`` -> the tenant's requests on the pool through the
+      other gateways (default: none; this gateway's own counts are kept here).
+    * ``on_push_out`` -- called with a waiting ticket pushed out of a full queue (its
+      ``verdict`` says what became of it); without it a full queue refuses the newcomer.
     """
 
     def __init__(
@@ -132,14 +196,27 @@ class Admission:
         overflow_available: bool = False,
         window_s: float = 5.0,
         on_outcome: Callable[[str, str, Outcome], None] | None = None,
+        policy: str = "fair",
+        weight: Callable[[str], float] | None = None,
+        remote_inflight: Callable[[str, str], int] | None = None,
+        on_push_out: Callable[[Ticket], None] | None = None,
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown admission policy '{policy}' (known: {', '.join(POLICIES)})")
         self.capacity = capacity
         self.clock = clock
         self.max_queue = max_queue
         self.overflow_available = overflow_available
         self.window_s = window_s
         self.on_outcome = on_outcome
+        self.fair = policy == "fair"
+        self.weight = weight or (lambda _tenant: 1.0)
+        self.remote_inflight = remote_inflight
+        self.on_push_out = on_push_out
         self.outcomes: Counter[tuple[str, str, Outcome]] = Counter()
+        # Per (pool, tenant): requests granted here and not finished; per tenant: waiting here.
+        self.held: Counter[tuple[str, str]] = Counter()
+        self.waiting: Counter[str] = Counter()
         self._pools: dict[str, _PoolQueue] = {}
         self._drained: dict[str, SlidingWindow] = {}
         self._waits: dict[str, SlidingWindow] = {}
@@ -164,6 +241,37 @@ class Admission:
     def _available(self, pool: str) -> int:
         return self.capacity.free_slots(pool) - self._pool(pool).granted
 
+    def _share(self, pool: str, tenant: str) -> float:
+        """Slots of ``pool`` the tenant holds, all gateways together, per unit of its weight."""
+        held = self.held[(pool, tenant)]
+        if self.remote_inflight is not None:
+            held += self.remote_inflight(pool, tenant)
+        return held / self.weight(tenant)
+
+    def _next_tenant(self, pool: str, level: _Level) -> str:
+        """Whose waiter a freed slot goes to: the fewest slots held per weight (fair), or the
+        oldest waiter (fifo); ties go to the oldest waiter."""
+        if not self.fair:
+            return min(level.by_tenant, key=lambda t: level.by_tenant[t][0].id)
+        return min(level.by_tenant, key=lambda t: (self._share(pool, t), level.by_tenant[t][0].id))
+
+    def _ahead(self, q: _PoolQueue, priority: int, tenant: str) -> int:
+        """Waiters served before a newcomer of ``tenant``: every more urgent one, and at its own
+        priority, with fair share, each other tenant's up to its weight's worth of the
+        newcomer's place in its own queue."""
+        ahead = sum(level.size for p, level in q.by_priority.items() if p < priority)
+        level = q.by_priority.get(priority)
+        if level is None:
+            return ahead
+        if not self.fair:
+            return ahead + level.size
+        mine = len(level.by_tenant.get(tenant, ()))
+        w = self.weight(tenant)
+        for other, dq in level.by_tenant.items():
+            if other != tenant:
+                ahead += min(len(dq), math.ceil((mine + 1) * self.weight(other) / w))
+        return ahead + mine
+
     # -- statistics ------------------------------------------------------------------------------
 
     def queue_depth(self, pool: str | None = None) -> int:
@@ -182,10 +290,17 @@ class Admission:
         self._pool(pool)
         return self._waits[pool].quantile(q)
 
-    def retry_after(self, pool: str, priority: int | None = None, budget_s: float = 1.0) -> int:
+    def retry_after(
+        self, pool: str, priority: int | None = None, budget_s: float = 1.0, tenant: str | None = None
+    ) -> int:
         """Seconds until the requests ahead have drained at the measured rate (1 .. 300)."""
         q = self._pool(pool)
-        ahead = q.size if priority is None else q.ahead_of(priority)
+        if priority is None:
+            ahead = q.size
+        elif tenant is None:
+            ahead = q.ahead_of(priority)
+        else:
+            ahead = self._ahead(q, priority, tenant)
         rate = self.drain_rate(pool)
         if rate <= 0:
             return max(1, min(300, math.ceil(budget_s)))
@@ -200,7 +315,7 @@ class Admission:
         self.count(ticket.class_name, ticket.feature, Outcome.REJECTED)
         return Verdict(
             Decision.REJECT,
-            retry_after_s=self.retry_after(ticket.pool, ticket.priority, budget_s),
+            retry_after_s=self.retry_after(ticket.pool, ticket.priority, budget_s, ticket.tenant),
             reason=reason,
         )
 
@@ -214,46 +329,91 @@ class Admission:
         feature: str,
         regulated: bool,
         payload: Any = None,
+        tenant: str = "",
     ) -> tuple[Verdict, Ticket]:
         """Decide for a new request: ADMIT (a slot is granted), QUEUE, OVERFLOW or REJECT."""
         now = self.clock.now()
         ticket = Ticket(
-            next(self._ids), pool, class_name, priority, feature, regulated, now, now + wait_budget_s, payload
+            next(self._ids),
+            pool,
+            class_name,
+            priority,
+            feature,
+            regulated,
+            now,
+            now + wait_budget_s,
+            payload,
+            tenant,
         )
         q = self._pool(pool)
         if self._available(pool) > 0 and q.ahead_of(priority) == 0:
             self._grant(ticket, q, now)
             return Verdict(Decision.ADMIT), ticket
-        if self.queued_total >= self.max_queue:
+        if self.queued_total >= self.max_queue and not self._push_out_for(tenant):
             return self._refuse(ticket, wait_budget_s, "the gateway queue is full"), ticket
         measured = self._drained[pool].count() >= MIN_DRAIN_SAMPLES
         rate = self.drain_rate(pool)
-        ahead = q.ahead_of(priority)
+        ahead = self._ahead(q, priority, tenant)
         if wait_budget_s <= 0 or (measured and (ahead + 1) / rate > wait_budget_s):
             return self._refuse(ticket, wait_budget_s, "the expected wait exceeds the class's budget"), ticket
         ticket.state = "waiting"
-        q.by_priority.setdefault(priority, deque()).append(ticket)
+        q.by_priority.setdefault(priority, _Level()).push(ticket)
         q.size += 1
         self.queued_total += 1
+        self.waiting[tenant] += 1
         self.count(class_name, feature, Outcome.QUEUED)
         return Verdict(Decision.QUEUE), ticket
+
+    def _push_out_for(self, tenant: str) -> bool:
+        """With the queue full, make room for a newcomer of ``tenant`` when it queues less than
+        its share: the newest waiter of the tenant queueing the most per weight leaves (its
+        verdict set, ``on_push_out`` told). ``False`` when nobody should leave for it."""
+        if not self.fair or self.on_push_out is None or not self.waiting:
+            return False
+        victim = max(self.waiting, key=lambda t: self.waiting[t] / self.weight(t))
+        if (self.waiting[tenant] + 1) / self.weight(tenant) >= self.waiting[victim] / self.weight(victim):
+            return False
+        newest: Ticket | None = None
+        for q in self._pools.values():
+            for level in q.by_priority.values():
+                dq = level.by_tenant.get(victim)
+                if dq and (newest is None or dq[-1].id > newest.id):
+                    newest = dq[-1]
+        if newest is None:
+            return False
+        self._unqueue(newest, self._pools[newest.pool])
+        newest.state = "pushed_out"
+        newest.verdict = self._refuse(
+            newest, newest.deadline - newest.arrived_at, "the gateway queue is full"
+        )
+        self.on_push_out(newest)
+        return True
 
     def _grant(self, ticket: Ticket, q: _PoolQueue, now: float) -> None:
         ticket.state = "granted"
         ticket.granted_at = now
         q.granted += 1
+        self.held[(ticket.pool, ticket.tenant)] += 1
         self._waits[ticket.pool].add(now - ticket.arrived_at)
         self.count(ticket.class_name, ticket.feature, Outcome.ADMITTED)
 
     def _unqueue(self, ticket: Ticket, q: _PoolQueue) -> None:
-        dq = q.by_priority.get(ticket.priority)
-        if dq is not None:
-            try:
-                dq.remove(ticket)
-            except ValueError:
-                return
+        level = q.by_priority.get(ticket.priority)
+        if level is not None and level.remove(ticket):
             q.size -= 1
             self.queued_total -= 1
+            self._unwait(ticket.tenant)
+
+    def _unwait(self, tenant: str) -> None:
+        self.waiting[tenant] -= 1
+        if self.waiting[tenant] <= 0:
+            del self.waiting[tenant]
+
+    def _unhold(self, ticket: Ticket) -> None:
+        key = (ticket.pool, ticket.tenant)
+        self.held[key] -= 1
+        if self.held[key] <= 0:
+            del self.held[key]
 
     def wake(self, pool: str) -> list[Ticket]:
         """Grant slots to waiters, most urgent class first, while the pool has free slots; the
@@ -264,10 +424,12 @@ class Admission:
         now = self.clock.now()
         out: list[Ticket] = []
         while q.size and self._available(pool) > 0:
-            prio = min(p for p, dq in q.by_priority.items() if dq)
-            ticket = q.by_priority[prio].popleft()
+            prio = min(p for p, level in q.by_priority.items() if level.size)
+            level = q.by_priority[prio]
+            ticket = level.pop(self._next_tenant(pool, level))
             q.size -= 1
             self.queued_total -= 1
+            self._unwait(ticket.tenant)
             if now > ticket.deadline:
                 # Its budget ran out while nobody looked: leave it for expire().
                 ticket.state = "late"
@@ -294,6 +456,9 @@ class Admission:
             self._unqueue(ticket, q)
         elif ticket.state == "granted":
             q.granted -= 1
+            self._unhold(ticket)
+        elif ticket.state == "started":
+            self._unhold(ticket)
         ticket.state = "withdrawn"
 
     def started(self, ticket: Ticket) -> None:
@@ -306,7 +471,15 @@ class Admission:
         """A granted request that will not run (its dispatch failed): give the slot back."""
         if ticket.state == "granted":
             self._pool(ticket.pool).granted -= 1
+            self._unhold(ticket)
             ticket.state = "withdrawn"
+
+    def finished(self, ticket: Ticket) -> None:
+        """The request that ``ticket`` admitted is over (answered, failed or abandoned): its
+        tenant no longer holds the slot. Call it once per started ticket; others are no-ops."""
+        if ticket.state == "started":
+            self._unhold(ticket)
+            ticket.state = "finished"
 
     def completed(self, pool: str) -> None:
         """A request on the pool finished (feeds the drain rate); call :meth:`wake` next."""

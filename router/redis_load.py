@@ -108,6 +108,7 @@ def _s(raw: Any) -> str:
 def _load(flat: Sequence[Any], now_ms: int) -> tuple[GatewayLoad, float]:
     replicas: dict[str, tuple[int, int]] = {}
     queued: dict[str, int] = {}
+    tenants: dict[tuple[str, str], int] = {}
     published = now_ms
     for k, v in zip(flat[::2], flat[1::2], strict=True):
         key, value = _s(k), _s(v)
@@ -117,11 +118,14 @@ def _load(flat: Sequence[Any], now_ms: int) -> tuple[GatewayLoad, float]:
                 replicas[key[2:]] = (int(inflight), int(prefill or 0))
             elif key.startswith("q:"):
                 queued[key[2:]] = int(value)
+            elif key.startswith("u:"):
+                pool, _, tenant = key[2:].partition(" ")
+                tenants[(pool, tenant)] = int(value)
             elif key == "t":
                 published = int(value)
         except ValueError:
             continue  # a field this version does not read
-    return GatewayLoad(replicas, queued), max(0.0, (now_ms - published) / 1000)
+    return GatewayLoad(replicas, queued, tenants), max(0.0, (now_ms - published) / 1000)
 
 
 class RedisLoadStore:
@@ -159,11 +163,13 @@ class RedisLoadStore:
         self, mine: GatewayLoad, proposals: Sequence[CapProposal], replicas: Sequence[str]
     ) -> SyncReply:
         args: list[str | int] = [self.gateway_id, self.ttl_ms, self.prefix]
-        args.append(len(mine.replicas) + len(mine.queued))
+        args.append(len(mine.replicas) + len(mine.queued) + len(mine.tenants))
         for name, (inflight, prefill) in mine.replicas.items():
             args += [f"r:{name}", f"{inflight} {prefill}"]
         for pool, n in mine.queued.items():
             args += [f"q:{pool}", n]
+        for (pool, tenant), n in mine.tenants.items():  # names hold no spaces (fleet Name)
+            args += [f"u:{pool} {tenant}", n]
         args.append(len(proposals))
         for p in proposals:
             args += [p.replica, p.expected_epoch, p.value, CAP_TTL_MS]

@@ -48,7 +48,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -75,10 +75,13 @@ class StoreUnavailable(Exception):
 @dataclass(frozen=True, slots=True)
 class GatewayLoad:
     """What one gateway process has: per replica ``(in flight, prompt tokens not yet prefilled)``
-    (replicas with nothing are left out), per pool the requests waiting in its admission queue."""
+    (replicas with nothing are left out), per pool the requests waiting in its admission queue,
+    per ``(pool, tenant)`` the requests it admitted and has not finished (admission's fair share
+    counts them pool-wide)."""
 
     replicas: dict[str, tuple[int, int]] = field(default_factory=dict)
     queued: dict[str, int] = field(default_factory=dict)
+    tenants: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +150,7 @@ class SharedLoad:
         ttl_s: float = 2.0,
         timeout_s: float | None = None,
         queue_depth: Callable[[str], int] | None = None,
+        tenant_load: Callable[[], Mapping[tuple[str, str], int]] | None = None,
         on_freed: Callable[[str], None] | None = None,
         on_sync: Callable[[float, float | None], None] | None = None,
     ) -> None:
@@ -159,6 +163,7 @@ class SharedLoad:
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s if timeout_s is not None else min(1.0, ttl_s / 2)
         self.queue_depth = queue_depth or (lambda _pool: 0)
+        self.tenant_load = tenant_load or dict
         self.on_freed = on_freed
         self.on_sync = on_sync
         self.up = False
@@ -166,6 +171,7 @@ class SharedLoad:
         self.syncs = 0
         self.failures = 0
         self.remote_queued: dict[str, int] = {}
+        self.remote_tenants: dict[tuple[str, str], int] = {}  # (pool, tenant) -> the others' count
         self._synced_at: float | None = None  # local time the last successful sync started
         self._data_age = 0.0  # the oldest other gateway's publication age at that sync
         self._adopted: dict[str, SharedCap] = {}
@@ -190,7 +196,8 @@ class SharedLoad:
             if inflight or s.prefill_tokens:
                 replicas[s.name] = (inflight, s.prefill_tokens)
         queued = {p: n for p in self.registry.pools() if (n := self.queue_depth(p)) > 0}
-        return GatewayLoad(replicas, queued)
+        tenants = {k: n for k, n in self.tenant_load().items() if n > 0}
+        return GatewayLoad(replicas, queued, tenants)
 
     def _proposals(self) -> list[CapProposal]:
         out = []
@@ -237,6 +244,7 @@ class SharedLoad:
     def _apply_loads(self, others: dict[str, GatewayLoad]) -> None:
         totals: dict[str, list[int]] = {}
         queued: dict[str, int] = {}
+        tenants: dict[tuple[str, str], int] = {}
         for load in others.values():
             for name, (inflight, prefill) in load.replicas.items():
                 t = totals.setdefault(name, [0, 0])
@@ -244,6 +252,8 @@ class SharedLoad:
                 t[1] += prefill
             for pool, n in load.queued.items():
                 queued[pool] = queued.get(pool, 0) + n
+            for key, n in load.tenants.items():
+                tenants[key] = tenants.get(key, 0) + n
         freed: set[str] = set()
         for s in self.registry:
             inflight, prefill = totals.get(s.name, (0, 0))
@@ -252,6 +262,7 @@ class SharedLoad:
             s.remote_inflight = inflight
             s.remote_prefill_tokens = prefill
         self.remote_queued = queued
+        self.remote_tenants = tenants
         self._wake(freed)
 
     def _apply_caps(self, reply: SyncReply, proposed: set[str], at_start: dict[str, int]) -> None:

@@ -555,6 +555,8 @@ class GatewaySpec(_Strict):
     """Gateway limits: the bounded queue and request sizes."""
 
     max_queue: int = Field(default=256, ge=0, le=1_000_000)
+    # Within a class: "fair" across tenants by weight, or "fifo" (one arrival order).
+    admission_policy: Literal["fair", "fifo"] = "fair"
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0, le=1024 * 1024 * 1024)
     scrape_interval_s: float = Field(default=1.0, gt=0, le=60)
     retry_before_first_token: bool = True

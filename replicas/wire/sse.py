@@ -47,7 +47,18 @@ class Event(NamedTuple):
 class SSEDecoder:
     """Incremental decoder; :meth:`feed` returns the events completed by that piece."""
 
-    __slots__ = ("_buf", "_data", "_event", "_max_line", "_retry", "_skip_lf", "_started", "last_id", "retry")
+    __slots__ = (
+        "_buf",
+        "_data",
+        "_event",
+        "_max_line",
+        "_retry",
+        "_skip_lf",
+        "_started",
+        "idle",
+        "last_id",
+        "retry",
+    )
 
     def __init__(self, max_line: int = 1 << 20) -> None:
         self._max_line = max_line
@@ -59,6 +70,9 @@ class SSEDecoder:
         self._retry: int | None = None
         self.last_id: bytes | None = None  # the last event id, kept across events
         self.retry: int | None = None  # the reconnection time the stream asked for, in ms
+        # Past the byte-order mark with no partial line or event pending: the next byte starts
+        # a new event (kept up to date by feed, so a reader's check is one attribute).
+        self.idle = False
 
     def feed(self, piece: bytes) -> list[Event]:
         if not piece:
@@ -111,6 +125,7 @@ class SSEDecoder:
             else:  # a blank line with no data: nothing to dispatch
                 self._event = b""
                 self._retry = None
+        self.idle = not rest and not data and not self._skip_lf and not self._event and self._retry is None
         return events
 
     def _reset(self) -> None:

@@ -123,3 +123,38 @@ def test_one_choice_counts_its_events_and_reads_only_the_last(case: str, tail: b
     last = 0.05 if tail.startswith(FINISH) else 0.0  # the finish chunk is a (last, empty) token
     assert watch.t_last - watch.t_first == pytest.approx(0.04 + last)
     assert watch.tokens_per_choice() == tokens  # asking twice changes nothing
+
+
+def _split_every(data: bytes, n: int) -> list[bytes]:
+    return [data[i : i + n] for i in range(0, len(data), n)]
+
+
+STREAM = [ROLE] + [TOKEN] * 8 + [FINISH, USAGE % 9, DONE]
+LAYOUTS = {
+    "one event per piece": STREAM,
+    "several events per piece": [ROLE, TOKEN, b"".join(STREAM[2:6]), b"".join(STREAM[6:])],
+    "CRLF framing": [e.replace(b"\n", b"\r\n") for e in STREAM],
+    "comments between tokens": [x for e in STREAM for x in (e, b": keep-alive\n\n")],
+    "split mid-event": _split_every(b"".join(STREAM), 37),
+    "a piece pending when a whole event arrives": [ROLE, TOKEN, TOKEN[:10], TOKEN[10:], *STREAM[3:]],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_the_per_token_fast_path_counts_as_the_decoder_does(layout: str) -> None:
+    """Past the first token, whole single-line events skip the decoder; any framing or split gives
+    the same count, end and times as the decoder alone."""
+
+    def watched(fast: bool) -> tuple[int, bool, float]:
+        clock = ManualClock()
+        watch = _Watch(clock)
+        for piece in LAYOUTS[layout]:
+            watch.feed(piece)
+            if not fast:
+                watch._passing = False
+            clock.advance(0.01)
+        assert watch.t_first is not None
+        return watch.tokens_per_choice(), watch.done, watch.t_last - watch.t_first
+
+    assert watched(fast=True) == watched(fast=False)
+    assert watched(fast=True)[:2] == (9, True)

@@ -145,3 +145,118 @@ def test_a_burst_after_a_calm_spell_queues_until_the_drain_rate_is_measured() ->
         a.completed("p")
     assert a.drain_rate("p") == (MIN_DRAIN_SAMPLES + 1) / 5.0
     assert offer(a, budget=2)[0].decision is Decision.REJECT
+
+
+# -- fair share across tenants within a class ---------------------------------------------------
+
+
+def tenants(
+    *, policy: str = "fair", weights: dict[str, float] | None = None, max_queue: int = 100, **kw: object
+) -> tuple[Admission, Slots, ManualClock]:
+    clock = ManualClock()
+    slots = Slots({"p": 0})
+    w = weights or {}
+    a = Admission(
+        capacity=slots,
+        clock=clock,
+        max_queue=max_queue,
+        policy=policy,
+        weight=lambda t: w.get(t, 1.0),
+        **kw,  # type: ignore[arg-type]
+    )
+    return a, slots, clock
+
+
+def ask(a: Admission, tenant: str, budget: float = 60.0):  # type: ignore[no-untyped-def]
+    return a.offer(
+        "p", "interactive", priority=0, wait_budget_s=budget, feature="chat", regulated=False, tenant=tenant
+    )
+
+
+def grant_one_by_one(a: Admission, slots: Slots, n: int) -> list[str]:
+    """Free ``n`` slots one at a time; the grants start and hold their slots."""
+    out = []
+    for _ in range(n):
+        slots.free["p"] = 1
+        (ticket,) = a.wake("p")
+        a.started(ticket)
+        slots.free["p"] = 0
+        out.append(ticket.tenant)
+    return out
+
+
+def test_a_freed_slot_goes_to_the_tenant_holding_the_fewest() -> None:
+    a, slots, _ = tenants()
+    for _ in range(10):
+        ask(a, "heavy")
+    grant_one_by_one(a, slots, 3)  # heavy alone: it gets every slot (work-conserving)
+    _, light = ask(a, "light")
+    assert grant_one_by_one(a, slots, 1) == ["light"]
+    assert light.state == "started"
+    # Once the light tenant holds as many as the heavy one, ties go to the oldest waiter.
+    for _ in range(3):
+        ask(a, "light")
+    assert grant_one_by_one(a, slots, 6) == ["light", "light", "heavy", "light", "heavy", "heavy"]
+    assert a.held[("p", "light")] + a.held[("p", "heavy")] == 10
+
+
+def test_slots_go_in_proportion_to_weight_and_free_when_requests_finish() -> None:
+    a, slots, _ = tenants(weights={"gold": 2.0})
+    tickets = {t: [ask(a, t)[1] for _ in range(30)] for t in ("gold", "bronze")}
+    got = grant_one_by_one(a, slots, 30)
+    assert got.count("gold") == 20 and got.count("bronze") == 10
+    # A finished request gives its tenant's slot back.
+    for t in tickets["gold"][:20]:
+        a.finished(t)
+    assert a.held[("p", "gold")] == 0 and a.held[("p", "bronze")] == 10
+    assert grant_one_by_one(a, slots, 5) == ["gold"] * 5
+
+
+def test_other_gateways_holdings_count() -> None:
+    remote = {("p", "busy-elsewhere"): 8}
+    a, slots, _ = tenants(remote_inflight=lambda pool, t: remote.get((pool, t), 0))
+    for _ in range(4):
+        ask(a, "busy-elsewhere")
+        ask(a, "quiet")
+    assert grant_one_by_one(a, slots, 4) == ["quiet"] * 4
+
+
+def test_fifo_keeps_one_arrival_order() -> None:
+    a, slots, _ = tenants(policy="fifo")
+    for _ in range(5):
+        ask(a, "heavy")
+    ask(a, "light")
+    assert grant_one_by_one(a, slots, 6) == ["heavy"] * 5 + ["light"]
+
+
+def test_a_full_queue_pushes_out_the_tenant_that_queues_the_most() -> None:
+    pushed: list[object] = []
+    a, _, _ = tenants(max_queue=4, on_push_out=pushed.append)
+    heavy = [ask(a, "heavy")[1] for _ in range(4)]
+    # Another heavy request is refused: its tenant already queues the most.
+    v, _ = ask(a, "heavy")
+    assert v.decision is Decision.REJECT and pushed == []
+    # A light newcomer takes the place of the heavy tenant's newest waiter.
+    v, light = ask(a, "light")
+    assert v.decision is Decision.QUEUE and light.state == "waiting"
+    assert pushed == [heavy[-1]] and heavy[-1].state == "pushed_out"
+    assert heavy[-1].verdict is not None and heavy[-1].verdict.decision is Decision.REJECT
+    assert a.queue_depth() == 4 and a.waiting == {"heavy": 3, "light": 1}
+    # Without a way to tell a waiter (and with fifo), a full queue refuses the newcomer.
+    b, _, _ = tenants(max_queue=1)
+    ask(b, "heavy")
+    assert ask(b, "light")[0].decision is Decision.REJECT
+
+
+def test_the_expected_wait_counts_what_fair_order_serves_first() -> None:
+    """Behind 40 waiters of a heavy tenant, with 10 completions a second and a 2 s budget: fifo
+    predicts 4 s and refuses a light newcomer; fair share serves it after one heavy waiter."""
+    for policy, expect in (("fifo", Decision.REJECT), ("fair", Decision.QUEUE)):
+        a, slots, clock = tenants(policy=policy)
+        for _ in range(MIN_DRAIN_SAMPLES * 2):
+            a.completed("p")
+            clock.advance(0.1)
+        for _ in range(40):
+            ask(a, "heavy", budget=60)
+        verdict, _ = ask(a, "light", budget=2.0)
+        assert verdict.decision is expect, policy

@@ -41,9 +41,10 @@ def _store(ns: str, gid: str, ttl_s: float = 2.0) -> RedisLoadStore:
 async def test_a_gateway_reads_what_the_others_published(namespace: str) -> None:
     a, b = _store(namespace, "a"), _store(namespace, "b")
     try:
-        await a.sync(GatewayLoad({"r0": (3, 100)}, {"interactive": 2}), [], ["r0"])
+        mine = GatewayLoad({"r0": (3, 100)}, {"interactive": 2}, {("interactive", "acme"): 3})
+        await a.sync(mine, [], ["r0"])
         reply = await b.sync(GatewayLoad(), [], ["r0"])
-        assert reply.others == {"a": GatewayLoad({"r0": (3, 100)}, {"interactive": 2})}
+        assert reply.others == {"a": mine}
         assert 0.0 <= reply.ages_s["a"] < 1.0
         # A republication replaces the whole hash: a replica with nothing left disappears.
         await a.sync(GatewayLoad({"r1": (1, 0)}), [], [])
