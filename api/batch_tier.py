@@ -66,6 +66,7 @@ def install_batch_tier(state: GatewayState) -> None:
             after_final=jobs.after_final,
             # The embedded broker does not redeliver a dead worker's message: republish its chunk.
             republish_stale_running_after_s=None if is_amqp(settings.broker_url) else 120.0,
+            windows=service.windows,
             extra_steps=[jobs.advance_stuck],
         )
         if is_amqp(settings.broker_url):

@@ -5,10 +5,21 @@ Only the message is published here (by task name); the consuming Celery app live
 the broker confirmed the message: a crash in between leaves it ``pending`` and the maintenance
 sweep publishes it again (a duplicate message costs only repeated work, never a lost line).
 
+Chunks are published progressively (:func:`top_up`), so that tenants share a lane: each tenant
+holds at most its :class:`Window` of chunks in a lane's queue (published and not yet finished);
+the rest stay ``pending`` in the store. Whenever chunks finish (the worker that finished one, a
+submission, a cancellation, and every maintenance sweep as a safety net) the windows are topped
+up: most urgent priority first, then the tenants in turn (the one served longest ago first),
+then each tenant's batches in order. RabbitMQ serves a priority level first in, first out, so a
+small batch submitted after a huge one of another tenant waits behind at most that tenant's
+window, not behind its whole batch. A tenant's claim happens under its row lock in the store
+(:func:`lock_tenant`), so two gateways topping up together never pass a window.
+
 Example::
 
     publisher = CeleryChunkPublisher.from_settings(settings)
     publisher.publish("batch_abc", 0, lane="shared", priority=9)
+    top_up(store, publisher, tenant_windows(fleet, settings))   # -> chunks published
 """
 
 from __future__ import annotations
@@ -17,24 +28,33 @@ import logging
 import secrets
 import threading
 import time
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 from celery import Celery
-from sqlalchemy import bindparam, text
+from sqlalchemy import Connection, bindparam, text
+from sqlmodel import Session
 
 from batch_jobs.store import Store
 from priority.classes import Lane, rabbitmq_priority
 from priority.queues import CHUNK_TASK, Topology, celery_base_config, is_amqp
+from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 
 __all__ = [
     "CeleryChunkPublisher",
     "ChunkPublisher",
     "PublishError",
+    "Window",
+    "WindowOf",
+    "lock_tenant",
     "producer_app",
     "publish_pending",
     "release_stale_publishing",
     "requeue_stale_running",
+    "tenant_windows",
+    "top_up",
 ]
 
 log = logging.getLogger(__name__)
@@ -113,7 +133,9 @@ def publish_pending(
     created_before: float | None = None,
     limit: int = 2000,
 ) -> int:
-    """Publish chunks still ``pending`` (most urgent batches first); returns how many went out.
+    """Publish chunks still ``pending`` (most urgent batches first), whatever the tenants'
+    windows; returns how many went out. The tier itself publishes with :func:`top_up`; this is
+    for tools that time the broker (``tidal bench batch`` publishes a burst of chunks with it).
 
     Stops at the first broker failure: the rest stay pending for the next sweep.
     """
@@ -205,6 +227,249 @@ def _publish_page(store: Store, publisher: ChunkPublisher, page: list[Any]) -> t
             for bid, nos in _by_batch(items).items():
                 s.connection().execute(_SETTLE, {"new": state, "t": token, "b": bid, "nos": nos})
     return len(done), failed
+
+
+# -- progressive publishing: tenants' windows -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    """How much of one tenant's work a lane may hold in the broker at once (published and not yet
+    finished): chunks, lines (a chunk counts the input lines it spans), or both; ``None`` bounds
+    nothing of that kind. A tenant with nothing in flight may always send one chunk, even one
+    spanning more lines than ``lines``, or that chunk would never run."""
+
+    chunks: int | None = None
+    lines: int | None = None
+
+    def fits(self, in_flight: int, in_flight_lines: int, span: int) -> bool:
+        """Whether one more chunk of ``span`` lines fits beside what is in flight."""
+        if in_flight == 0:
+            return True
+        if self.chunks is not None and in_flight >= self.chunks:
+            return False
+        return self.lines is None or in_flight_lines + span <= self.lines
+
+
+WindowOf = Callable[[str], Window]
+
+
+def tenant_windows(fleet: FleetConfig, settings: Settings) -> WindowOf:
+    """Each tenant's window per lane: its ``batch.max_lines_in_flight`` from the fleet config,
+    else ``settings.batch_tenant_window_chunks`` chunks (for tenants the config does not list
+    too, such as the development key's), so that fairness holds without any configuration."""
+    default = Window(chunks=settings.batch_tenant_window_chunks)
+
+    def window(tenant: str) -> Window:
+        spec = fleet.tenant(tenant)
+        if spec is not None and spec.batch.max_lines_in_flight is not None:
+            return Window(lines=spec.batch.max_lines_in_flight)
+        return default
+
+    return window
+
+
+_ENSURE_TENANT = text(
+    """INSERT INTO tidal_batch_tenants (tenant, dispatched_at) VALUES (:t, 0)
+       ON CONFLICT (tenant) DO NOTHING"""
+)
+_LOCK_TENANT = text("UPDATE tidal_batch_tenants SET dispatched_at = dispatched_at WHERE tenant = :t")
+
+
+def lock_tenant(session: Session, tenant: str) -> None:
+    """Hold ``tenant``'s row in ``tidal_batch_tenants`` locked until ``session`` commits: on
+    PostgreSQL a row lock (other tenants go on), on SQLite the database's write lock. Taken by
+    whoever decides from the tenant's totals (its dispatchers, its submissions), so that two such
+    decisions never both act on the same stale count. Call it before reading those totals: on
+    SQLite a transaction that read first may not take the write lock later."""
+    conn = session.connection()
+    conn.execute(_ENSURE_TENANT, {"t": tenant})
+    conn.execute(_LOCK_TENANT, {"t": tenant})
+
+
+# Only open batches hold chunks in flight: a cancelled or expired batch's queued chunks are
+# dropped by the first worker that takes them, and a message the broker lost cannot shrink a
+# tenant's window for longer than its batch lives.
+_OPEN = "b.status = 'in_progress' AND b.final_claim IS NULL"
+_SPAN = "(c.last_line - c.first_line + 1)"
+_IN_FLIGHT = "c.state IN ('publishing', 'queued', 'running')"
+
+
+class _Waiting(NamedTuple):
+    tenant: str
+    lane: str
+    top_priority: int
+    served_at: float
+
+
+class _Claimed(NamedTuple):
+    tenant: str
+    batch_id: str
+    chunk_no: int
+    lane: str
+    priority: int
+    token: str
+
+
+def _filters(lane: str | None, tenant: str | None) -> tuple[str, dict[str, Any]]:
+    where, params = "", {}
+    if lane is not None:
+        where += " AND c.queue_lane = :l"
+        params["l"] = lane
+    if tenant is not None:
+        where += " AND b.tenant = :t"
+        params["t"] = tenant
+    return where, params
+
+
+def _waiting(conn: Connection, lane: str | None, tenant: str | None) -> list[_Waiting]:
+    """Tenants and lanes with pending chunks of open batches, each with its most urgent priority
+    and when the tenant was last served."""
+    where, params = _filters(lane, tenant)
+    rows = conn.execute(
+        text(
+            f"""SELECT b.tenant, c.queue_lane, MAX(c.priority), COALESCE(MAX(d.dispatched_at), 0)
+                  FROM tidal_batch_chunks c JOIN tidal_batches b ON b.id = c.batch_id
+                  LEFT JOIN tidal_batch_tenants d ON d.tenant = b.tenant
+                 WHERE c.state = 'pending' AND {_OPEN}{where}
+                 GROUP BY b.tenant, c.queue_lane"""
+        ),
+        params,
+    ).all()
+    return [_Waiting(str(r[0]), str(r[1]), int(r[2]), float(r[3])) for r in rows]
+
+
+def _in_flight(
+    conn: Connection, lane: str | None, tenant: str | None
+) -> dict[tuple[str, str], tuple[int, int]]:
+    """(chunks, lines) in flight per (tenant, lane)."""
+    where, params = _filters(lane, tenant)
+    rows = conn.execute(
+        text(
+            f"""SELECT b.tenant, c.queue_lane, COUNT(*), COALESCE(SUM({_SPAN}), 0)
+                  FROM tidal_batch_chunks c JOIN tidal_batches b ON b.id = c.batch_id
+                 WHERE {_IN_FLIGHT} AND {_OPEN}{where}
+                 GROUP BY b.tenant, c.queue_lane"""
+        ),
+        params,
+    ).all()
+    return {(str(r[0]), str(r[1])): (int(r[2]), int(r[3])) for r in rows}
+
+
+def _claim_window(
+    store: Store, tenant: str, lane: str, window: Window, *, now: float, cap: int
+) -> list[_Claimed]:
+    """Under the tenant's lock: claim (``publishing``) the pending chunks that fit in its window
+    on ``lane``, most urgent first, then in batch order; committed before anything is published,
+    so the next dispatcher counts them."""
+    token = secrets.token_hex(8)
+    with store.session() as s:
+        lock_tenant(s, tenant)
+        conn = s.connection()
+        n, lines = _in_flight(conn, lane, tenant).get((tenant, lane), (0, 0))
+        if not window.fits(n, lines, 1):
+            return []
+        room = cap
+        if window.chunks is not None:
+            room = min(room, max(1, window.chunks - n))
+        if window.lines is not None:
+            room = min(room, max(1, window.lines - lines))  # a chunk spans at least one line
+        rows = conn.execute(
+            text(
+                f"""SELECT c.batch_id, c.chunk_no, c.priority, {_SPAN}
+                      FROM tidal_batch_chunks c JOIN tidal_batches b ON b.id = c.batch_id
+                     WHERE c.state = 'pending' AND {_OPEN} AND b.tenant = :t AND c.queue_lane = :l
+                     ORDER BY c.priority DESC, b.seq, c.chunk_no LIMIT :lim"""
+            ),
+            {"t": tenant, "l": lane, "lim": room},
+        ).all()
+        take: list[tuple[str, int]] = []
+        for bid, chunk_no, _priority, span in rows:
+            if not window.fits(n + len(take), lines, int(span)):
+                break  # strictly in order: a smaller chunk behind does not jump the queue
+            take.append((str(bid), int(chunk_no)))
+            lines += int(span)
+        if not take:
+            return []
+        for bid, nos in _by_batch(take).items():
+            conn.execute(_CLAIM, {"t": token, "now": now, "b": bid, "nos": nos})
+        # A duplicate message may have started one meanwhile (pending -> running): not ours.
+        claimed = conn.execute(
+            text(
+                """SELECT c.batch_id, c.chunk_no, c.queue_lane, c.priority FROM tidal_batch_chunks c
+                    WHERE c.publish_claim = :tok AND c.state = 'publishing' AND c.batch_id IN :bids
+                    ORDER BY c.priority DESC, c.chunk_no"""
+            ).bindparams(bindparam("bids", expanding=True)),
+            {"tok": token, "bids": sorted({b for b, _ in take})},
+        ).all()
+        conn.execute(
+            text("UPDATE tidal_batch_tenants SET dispatched_at = :now WHERE tenant = :t"),
+            {"now": now, "t": tenant},
+        )
+    order = {key: i for i, key in enumerate(take)}
+    out = [_Claimed(tenant, str(r[0]), int(r[1]), str(r[2]), int(r[3]), token) for r in claimed]
+    return sorted(out, key=lambda c: order[(c.batch_id, c.chunk_no)])
+
+
+def top_up(
+    store: Store,
+    publisher: ChunkPublisher,
+    windows: WindowOf,
+    *,
+    lane: str | None = None,
+    tenant: str | None = None,
+    limit: int = 2000,
+) -> int:
+    """Publish pending chunks into the room of each tenant's window (only ``lane``'s, only
+    ``tenant``'s when given); returns how many went out.
+
+    The order of publication is the order of service within a priority level (RabbitMQ serves
+    each level first in, first out): most urgent first, then one chunk per tenant in turn (the
+    tenant served longest ago first), then each tenant's batches in order. Stops at the first
+    broker failure: what was claimed and not published goes back to ``pending``.
+    """
+    now = time.time()
+    with store.session() as s:
+        conn = s.connection()
+        waiting = _waiting(conn, lane, tenant)
+        busy = _in_flight(conn, lane, tenant) if waiting else {}
+    # Claim the most urgent work first, so that a pass cut short by ``limit`` still serves it.
+    waiting.sort(key=lambda w: (-w.top_priority, w.served_at, w.tenant, w.lane))
+    claimed: list[_Claimed] = []
+    for w in waiting:
+        window = windows(w.tenant)
+        n, lines = busy.get((w.tenant, w.lane), (0, 0))
+        if len(claimed) >= limit or not window.fits(n, lines, 1):
+            continue  # full, as far as a read without the lock tells: no lock taken
+        claimed += _claim_window(store, w.tenant, w.lane, window, now=now, cap=limit - len(claimed))
+    if not claimed:
+        return 0
+    served = {w.tenant: w.served_at for w in waiting}
+    turn: dict[tuple[str, str, int], int] = {}
+    keyed: list[tuple[tuple[int, int, float, str], _Claimed]] = []
+    for c in claimed:  # each tenant's claims are in its own order already
+        k = turn[(c.tenant, c.lane, c.priority)] = turn.get((c.tenant, c.lane, c.priority), -1) + 1
+        keyed.append(((-c.priority, k, served[c.tenant], c.tenant), c))
+    keyed.sort(key=lambda kc: kc[0])
+    done: list[_Claimed] = []
+    for _, c in keyed:
+        try:
+            publisher.publish(c.batch_id, c.chunk_no, lane=c.lane, priority=c.priority)
+        except PublishError as exc:
+            log.warning("%s; will retry", exc)
+            break
+        done.append(c)
+    sent = {(c.batch_id, c.chunk_no) for c in done}
+    undone = [c for c in claimed if (c.batch_id, c.chunk_no) not in sent]
+    with store.session() as s:
+        for state, items in (("queued", done), ("pending", undone)):
+            by_token: dict[str, list[tuple[str, int]]] = {}
+            for c in items:
+                by_token.setdefault(c.token, []).append((c.batch_id, c.chunk_no))
+            for token, keys in by_token.items():
+                for bid, nos in _by_batch(keys).items():
+                    s.connection().execute(_SETTLE, {"new": state, "t": token, "b": bid, "nos": nos})
+    return len(done)
 
 
 def release_stale_publishing(store: Store, *, now: float, older_than_s: float = 60.0) -> int:

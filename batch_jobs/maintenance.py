@@ -1,9 +1,11 @@
 """The batch tier's housekeeping, safe to run in several processes at once (every step is a
-conditional UPDATE): expiry, cancellation, finalisation nobody finished, unpublished chunks.
+conditional UPDATE, or a claim under the tenant's row lock): expiry, cancellation, finalisation
+nobody finished, unpublished chunks and tenants' windows to top up.
 
 Example::
 
-    sweeper = BatchMaintenance(store, files, clock=ManualClock(start=1.7e9), publisher=publisher)
+    sweeper = BatchMaintenance(store, files, clock=ManualClock(start=1.7e9), publisher=publisher,
+                               windows=tenant_windows(fleet, settings))
     clock.advance(24 * 3600)
     sweeper.sweep()          # -> {"expired": 1, ...}
 """
@@ -18,9 +20,10 @@ from sqlalchemy import text
 
 from batch_jobs.dispatch import (
     ChunkPublisher,
-    publish_pending,
+    WindowOf,
     release_stale_publishing,
     requeue_stale_running,
+    top_up,
 )
 from batch_jobs.files import FileStore
 from batch_jobs.finalize import AfterFinal, FinalKind, finalize_batch, release_stale_claims
@@ -35,8 +38,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class BatchMaintenance:
     """One sweep = expire overdue batches, finalise cancelled and finished ones, release stale
-    finaliser claims, publish chunks still pending (and, for brokers that do not redeliver,
-    chunks whose worker died)."""
+    finaliser claims, top up every tenant's window with its pending chunks (a safety net: whoever
+    finishes a chunk tops up at once) and, for brokers that do not redeliver, republish chunks
+    whose worker died. A ``publisher`` needs the tenants' ``windows``."""
 
     store: Store
     files: FileStore
@@ -44,8 +48,12 @@ class BatchMaintenance:
     publisher: ChunkPublisher | None = None
     after_final: AfterFinal | None = None
     republish_stale_running_after_s: float | None = None
-    publish_grace_s: float = 5.0
+    windows: WindowOf | None = None
     extra_steps: list[Callable[[], int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.publisher is not None and self.windows is None:
+            raise ValueError("a maintenance sweep that publishes needs the tenants' windows")
 
     def _ids(self, sql: str, **params: object) -> list[str]:
         with self.store.session() as s:
@@ -92,11 +100,9 @@ class BatchMaintenance:
             report["requeued_stale"] = requeue_stale_running(
                 self.store, now=now, stale_after_s=self.republish_stale_running_after_s
             )
-        if self.publisher is not None:
+        if self.publisher is not None and self.windows is not None:
             report["unclaimed"] = release_stale_publishing(self.store, now=now)
-            report["published"] = publish_pending(
-                self.store, self.publisher, created_before=now - self.publish_grace_s
-            )
+            report["published"] = top_up(self.store, self.publisher, self.windows)
         for step in self.extra_steps:
             try:
                 step()

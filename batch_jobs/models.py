@@ -35,6 +35,7 @@ __all__ = [
     "LinePublicState",
     "ListPage",
     "RequestCounts",
+    "TenantDispatch",
     "WorkerRecord",
 ]
 
@@ -299,6 +300,18 @@ class BatchChunk(SQLModel, table=True):
     publish_claim: str | None = Field(default=None, max_length=32)
     heartbeat_at: float | None = None
     worker: str | None = Field(default=None, max_length=256)
+
+
+class TenantDispatch(SQLModel, table=True):
+    """One row per tenant with batch work: the row its dispatchers and its submissions lock, so
+    that two gateways (or workers) topping up the same tenant never publish past its window and
+    two submissions never both pass its ``max_lines_queued``; and when its chunks last went out,
+    so the tenant served longest ago goes first (round robin across tenants)."""
+
+    __tablename__ = "tidal_batch_tenants"
+
+    tenant: str = Field(max_length=128, primary_key=True)
+    dispatched_at: float = 0.0
 
 
 # -- jobs ---------------------------------------------------------------------------------------

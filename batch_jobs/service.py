@@ -16,10 +16,10 @@ import json
 from collections.abc import AsyncIterator, Iterable, Set
 from typing import Any, BinaryIO
 
-from sqlalchemy import insert, text
+from sqlalchemy import bindparam, insert, text
 from sqlmodel import Session, col, func, select
 
-from batch_jobs.dispatch import ChunkPublisher, publish_pending
+from batch_jobs.dispatch import ChunkPublisher, lock_tenant, tenant_windows, top_up
 from batch_jobs.errors import Conflict, Forbidden, InvalidRequest, LimitExceeded, NotFound, TooLarge
 from batch_jobs.files import (
     FileStore,
@@ -84,6 +84,8 @@ class BatchService:
         self.publisher = publisher
         self.clock: Clock = clock or WallClock()
         self.max_active_batches_per_tenant = max_active_batches_per_tenant
+        # Each tenant's share of a lane's queue (see batch_jobs.dispatch.top_up).
+        self.windows = tenant_windows(fleet, settings)
 
     @classmethod
     def from_settings(
@@ -236,12 +238,17 @@ class BatchService:
         job_id: str | None = None,
         features: Set[str] = frozenset({"*"}),
         default_feature: str | None = None,
+        check_queued_limit: bool = True,
     ) -> BatchRecord:
         """Validate, plan and publish a batch. Request-level problems raise (nothing is created);
         problems inside the file give a ``failed`` batch whose ``errors`` name every bad line.
 
         ``features`` are those the caller's key may use and ``default_feature`` its only one: they
         decide the batch's feature (``metadata.feature``), whose ``regions`` its lines stay in.
+        A batch that would take the tenant past its ``batch.max_lines_queued`` is refused (429);
+        ``check_queued_limit=False`` is for the later stages of a job already accepted, which
+        must not fail for it. Only the tenant's window of chunks is published at once; the rest
+        follow as chunks finish (:func:`~batch_jobs.dispatch.top_up`).
         """
         if params.endpoint not in SUPPORTED_ENDPOINTS:
             raise InvalidRequest(
@@ -305,6 +312,11 @@ class BatchService:
         report = validate_batch_file(
             source, endpoint=params.endpoint, models=served, max_lines=self.settings.max_batch_lines
         )
+        limit = self._queued_limit(tenant) if check_queued_limit else None
+        if limit is not None and not report.error_count:
+            # A first look before writing anything; decided again under the tenant's lock below.
+            with self.store.session() as s:
+                self._check_queued(s, tenant, batch.id, report.lines, limit)
         if report.error_count:
             batch.status = "failed"
             batch.failed_at = now
@@ -320,13 +332,49 @@ class BatchService:
             s.add(batch)
             s.flush()
             total = self._insert_lines(s, batch, source)
+            if limit is not None:
+                # Two submissions of the tenant racing: the second sees the first, or waits for it.
+                lock_tenant(s, tenant)
+                self._check_queued(s, tenant, batch.id, total, limit)
             batch.total = total
             batch.status = "in_progress"
             batch.in_progress_at = now
             s.add(batch)
         if self.publisher is not None:
-            publish_pending(self.store, self.publisher, batch_id=batch.id)
+            top_up(self.store, self.publisher, self.windows, tenant=tenant, lane=batch.queue_lane)
         return batch
+
+    def _queued_limit(self, tenant: str) -> int | None:
+        spec = self.fleet.tenant(tenant)
+        return spec.batch.max_lines_queued if spec is not None else None
+
+    def _check_queued(self, s: Session, tenant: str, batch_id: str, lines: int, limit: int) -> None:
+        """Refuse a batch of ``lines`` that would take ``tenant``'s unfinished batches past
+        ``limit`` lines: at submission, never accepted and failed later."""
+        queued = int(
+            s.connection()
+            .execute(
+                text(
+                    """SELECT COALESCE(SUM(total), 0) FROM tidal_batches
+                        WHERE tenant = :t AND status IN :active AND id != :b"""
+                ).bindparams(bindparam("active", expanding=True)),
+                {"t": tenant, "active": sorted(BATCH_ACTIVE), "b": batch_id},
+            )
+            .scalar_one()
+        )
+        if queued + lines <= limit:
+            return
+        advice = (
+            f" A batch of more than {limit} lines is never accepted: split it."
+            if lines > limit
+            else " Wait for some of them to finish (or cancel one), then submit again."
+        )
+        raise LimitExceeded(
+            f"This batch has {lines} lines and your unfinished batches already hold {queued}: "
+            f"together {queued + lines}, past your limit of {limit} queued lines "
+            f"(max_lines_queued).{advice}",
+            code="max_lines_queued_exceeded",
+        )
 
     def _insert_lines(self, s: Session, batch: BatchRecord, source: Readable) -> int:
         size = self.settings.chunk_lines
@@ -545,4 +593,7 @@ class BatchService:
         if n != 1:
             b = self.get_batch(tenant, batch_id)
             raise Conflict(f"Cannot cancel a batch with status {b.status!r}.", code="batch_not_cancellable")
+        if self.publisher is not None:
+            # Its chunks no longer hold the tenant's window: its other batches may go on at once.
+            top_up(self.store, self.publisher, self.windows, tenant=tenant)
         return self.get_batch(tenant, batch_id)

@@ -200,6 +200,12 @@ class BatchTier:
             chunk_lines=int(env["TIDAL_CHUNK_LINES"]),
             soft_shutdown_s=float(env.get("TIDAL_SOFT_SHUTDOWN_S", 20.0)),
             delivery_limit=int(env.get("TIDAL_DELIVERY_LIMIT", 10)),
+            batch_tenant_window_chunks=int(
+                env.get(
+                    "TIDAL_BATCH_TENANT_WINDOW_CHUNKS",
+                    Settings.model_fields["batch_tenant_window_chunks"].default,
+                )
+            ),
         )
 
     def write_fleet(self) -> None:

@@ -46,6 +46,12 @@ class Settings(BaseSettings):
     # Batch tier
     broker_url: str = DEFAULT_BROKER_URL
     chunk_lines: int = Field(default=50, gt=0, le=10_000)
+    # How many of one tenant's chunks a lane holds in the broker (published, not yet finished)
+    # when the fleet config gives the tenant no ``batch.max_lines_in_flight``: the rest wait in
+    # the store and are published as these finish, in turn with other tenants' (round robin), so
+    # a small batch waits behind at most this many chunks of a huge one. Keep it above the
+    # lane's worker slots (workers x concurrency), or one tenant alone cannot fill the lane.
+    batch_tenant_window_chunks: int = Field(default=32, ge=1, le=100_000)
     soft_shutdown_s: float = Field(default=20.0, ge=0)
     delivery_limit: int = Field(default=10, ge=1, le=1000)
     # Prefix of every queue and exchange of the batch tier, so that several deployments (and

@@ -44,7 +44,7 @@ from celery.exceptions import Reject
 from sqlalchemy import text
 from sqlmodel import select
 
-from batch_jobs.dispatch import ChunkPublisher
+from batch_jobs.dispatch import ChunkPublisher, top_up
 from batch_jobs.files import file_store_from_settings
 from batch_jobs.finalize import finalize_batch
 from batch_jobs.jobs import JobService
@@ -188,6 +188,7 @@ class WorkerRuntime:
             clock=self.clock,
         )
         self.jobs = JobService(self.batch_service)
+        self.publisher = publisher
         self.gate = LaneGate()
         self.preemption = Preemption(grace_s=max(0.0, settings.soft_shutdown_s - 3.0))
         self.metrics = Metrics()
@@ -208,6 +209,7 @@ class WorkerRuntime:
             publisher=publisher,
             after_final=self.jobs.after_final,
             republish_stale_running_after_s=None if is_amqp(settings.broker_url) else 120.0,
+            windows=self.batch_service.windows,
             extra_steps=[self.jobs.advance_stuck],
         )
         self.consumer: Any = None  # Celery's consumer, set when the worker is ready
@@ -222,6 +224,10 @@ class WorkerRuntime:
         self._threads: list[threading.Thread] = []
         self._consuming_paused: set[str] = set()
         self._last_heartbeat = 0.0
+        # Lanes where a chunk finished since the last top-up (see _top_up_loop).
+        self._finished_lanes: set[str] = set()
+        self._finished_lock = threading.Lock()
+        self._finished = threading.Event()
         for name in [lane] if lane != "all" else []:
             if not lane_pools(fleet, name):
                 raise ValueError(f"the fleet has no replicas for lane {name!r} (pools of that kind)")
@@ -249,6 +255,8 @@ class WorkerRuntime:
             )
         self.gate.listeners.append(self._on_gate_change)
         self._spawn(self._housekeeping, "tidal-housekeeping")
+        if self.publisher is not None:
+            self._spawn(self._top_up_loop, "tidal-top-up")
         if is_amqp(self.settings.broker_url):
             self._spawn(self._listen_control, "tidal-lane-control")
 
@@ -349,6 +357,29 @@ class WorkerRuntime:
                 self.maintenance.sweep()
             except Exception:
                 log.exception("worker housekeeping failed")
+
+    def _chunk_finished(self, lane: str) -> None:
+        """A chunk of ``lane`` left the broker for good: its tenant's window has room again."""
+        with self._finished_lock:
+            self._finished_lanes.add(lane)
+        self._finished.set()
+
+    def _top_up_loop(self) -> None:
+        """Top up the tenants' windows of the lanes where chunks finished, off the chunk threads
+        (a chunk's message is acknowledged without waiting for it) and one pass for a burst of
+        finished chunks; the maintenance sweep tops up too, should this miss one."""
+        assert self.publisher is not None
+        while not self._closing.is_set():
+            if not self._finished.wait(0.5):
+                continue
+            self._finished.clear()
+            with self._finished_lock:
+                lanes, self._finished_lanes = self._finished_lanes, set()
+            for lane in sorted(lanes):
+                try:
+                    top_up(self.store, self.publisher, self.batch_service.windows, lane=lane)
+                except Exception:
+                    log.exception("topping up lane %s failed; the maintenance sweep will", lane)
 
     def _register(self) -> None:
         paused = [lane for lane, p in self.gate.snapshot().items() if p]
@@ -461,6 +492,7 @@ class WorkerRuntime:
         lines = self._pending_lines(batch_id, chunk_no)
         if not lines:
             self._set_chunk(batch_id, chunk_no, "done")
+            self._chunk_finished(queue_lane)
             self._finalize(batch_id)
             return "done"
         unclean = deliveries - 1 - releases  # earlier deliveries that ended without a clean release
@@ -487,6 +519,7 @@ class WorkerRuntime:
         outcome: ChunkOutcome = future.result()
         if outcome.kind == "done":
             self._set_chunk(batch_id, chunk_no, "done")
+            self._chunk_finished(queue_lane)
             self._finalize(batch_id)
             return "done"
         if outcome.kind == "closed":
@@ -519,6 +552,7 @@ class WorkerRuntime:
             [LineResult.failure(ln.line_no, "delivery_limit_exceeded", message) for ln in lines],
         )
         self._set_chunk(batch.id, chunk_no, "dead")
+        self._chunk_finished(batch.queue_lane)
         log.error("chunk %s/%s dead-lettered after %d deliveries", batch.id, chunk_no, deliveries)
         self._finalize(batch.id)
         raise Reject("delivery limit exceeded", requeue=False)

@@ -154,10 +154,17 @@ class JobService:
         params = BatchCreate(
             input_file_id=f.id, endpoint=stage.endpoint, completion_window="24h", metadata=metadata
         )
-        # Pool pinning and the feature were checked against the caller in create_job.
+        # Pool pinning and the feature were checked against the caller in create_job, and the
+        # tenant's max_lines_queued with its first stage: a job accepted is not failed for it later.
         only = frozenset({options.feature}) if options.feature else frozenset()
         return self.batch.create_batch(
-            job.tenant, params, admin=True, job_id=job.id, features=only, default_feature=options.feature
+            job.tenant,
+            params,
+            admin=True,
+            job_id=job.id,
+            features=only,
+            default_feature=options.feature,
+            check_queued_limit=stage_no == 0,
         )
 
     # -- advancing ------------------------------------------------------------------------------
