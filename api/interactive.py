@@ -32,6 +32,7 @@ from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingReque
 from api.shared_state import build_shared_load
 from priority.admission import Admission, Outcome
 from priority.features import FEATURE_HEADER, PlanError, estimate_tokens, plan_request, resolve_feature
+from priority.quotas import LocalQuotas, RedisQuotas
 from replicas.client import ReplicaClient
 from router.adapters import AdapterManager
 from router.kv_events import (
@@ -48,7 +49,7 @@ from router.registry import ReplicaRegistry, ReplicaState
 from router.scraper import MetricsScraper
 from router.types import RouteRequest
 from tidal.clock import Clock, SystemClock
-from tidal.fleet import FleetConfig
+from tidal.fleet import FleetConfig, QuotaSpec
 from tidal.settings import Settings
 
 __all__ = ["SESSION_HEADER", "InteractiveService"]
@@ -96,6 +97,7 @@ class InteractiveService:
             weight=self._tenant_weight,
             remote_inflight=self._remote_tenant_inflight,
             on_push_out=lambda ticket: self.proxy.pushed_out(ticket),
+            on_tenant_outcome=self.metrics.tenant_outcome,
         )
         self.metrics.attach_live(self.registry, self.admission)
         self.adapters = AdapterManager(
@@ -127,6 +129,13 @@ class InteractiveService:
             external=self.external,
             external_model=provider.model if provider else None,
             retry_before_first_token=fleet.gateway.retry_before_first_token,
+            # Quotas count in Redis for every gateway when it is configured, else here.
+            quotas=(
+                RedisQuotas(settings.redis_url, self.clock, namespace=settings.redis_namespace)
+                if settings.redis_url
+                else LocalQuotas(self.clock)
+            ),
+            quota_of=self._tenant_quota,
         )
         # With TIDAL_REDIS_URL, every gateway process's load per replica, queues and caps are
         # shared (router.shared); a slot freed at another gateway wakes this one's queue.
@@ -209,6 +218,10 @@ class InteractiveService:
     def _tenant_weight(self, tenant: str) -> float:
         spec = self.fleet.tenant(tenant)
         return spec.weight if spec is not None else 1.0
+
+    def _tenant_quota(self, tenant: str) -> QuotaSpec | None:
+        spec = self.fleet.tenant(tenant)
+        return spec.quota if spec is not None else None
 
     def _remote_tenant_inflight(self, pool: str, tenant: str) -> int:
         shared = self.shared

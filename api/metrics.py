@@ -148,6 +148,26 @@ class GatewayMetrics:
         self.decisions = Counter(
             "tidal_router_decisions", "Routing decisions", ["profile", "replica"], registry=r
         )
+        # Per tenant: its names come from the fleet config's keys, so the labels stay bounded.
+        self.tenant_requests = Counter(
+            "tidal_tenant_requests",
+            "Requests per tenant by outcome: admission's, or quota_requests / quota_tokens when its quota refused",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_wait = LabelledHistogram(
+            "tidal_tenant_queue_wait_seconds",
+            "Time a tenant's admitted requests waited in the gateway queue",
+            ["tenant"],
+            _LATENCY,
+            r,
+        )
+        self.tenant_tokens = Counter(
+            "tidal_tenant_tokens",
+            "Tokens per tenant: prompt (estimated at admission) and completion (as generated)",
+            ["tenant", "kind"],
+            registry=r,
+        )
         self.prefix = Counter("tidal_router_prefix", "Prefix-ring placement results", ["result"], registry=r)
         self.session = Counter(
             "tidal_router_session", "Session-ring placement results", ["result"], registry=r
@@ -222,6 +242,20 @@ class GatewayMetrics:
 
     def outcome(self, class_name: str, feature: str, outcome: Outcome) -> None:
         self._outcomes(class_name, feature, outcome.value).inc()
+
+    def tenant_outcome(self, tenant: str, outcome: Outcome) -> None:
+        self.tenant_requests.labels(tenant or "-", outcome.value).inc()
+
+    def tenant_refused(self, tenant: str, reason: str) -> None:
+        self.tenant_requests.labels(tenant or "-", reason).inc()
+
+    def tenant_served(self, tenant: str, wait_s: float) -> None:
+        self.tenant_wait.labels(tenant or "-").observe(wait_s)
+
+    def tenant_used(self, tenant: str, prompt_tokens: int, completion_tokens: int | None) -> None:
+        self.tenant_tokens.labels(tenant or "-", "prompt").inc(prompt_tokens)
+        if completion_tokens:
+            self.tenant_tokens.labels(tenant or "-", "completion").inc(completion_tokens)
 
     def request_done(self, pool: str, group: str | None, *, failed: bool) -> None:
         w = self.pool(pool)

@@ -23,6 +23,7 @@ that waits happens inside it, where the client's disconnect is watched:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -34,13 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from api.assemble import Assembler, assemblable, streamed_body
 from api.errors import error_body
 from api.metrics import GatewayMetrics
 from priority.admission import Admission, Decision, Outcome, Ticket, Verdict
 from priority.features import RequestPlan
+from priority.quotas import LocalQuotas, QuotaStore, QuotaUnavailable, QuotaVerdict, Reservation
 from replicas.client import ReplicaClient, UpstreamStream
 from replicas.errors import (
     ReplicaError,
@@ -56,12 +58,16 @@ from router.framework import Router
 from router.registry import ReplicaRegistry, ReplicaState
 from router.types import RouteRequest
 from tidal.clock import Clock
+from tidal.fleet import QuotaSpec
 
 __all__ = ["Proxy", "ProxyJob", "ProxyResponse", "UpstreamHandle"]
 
 log = logging.getLogger(__name__)
 
 # Request ids: a random per-process prefix and a counter (uuid4 per request costs more).
+# Completion tokens a request that sets no max_tokens is counted for until it ends.
+RESERVED_COMPLETION_TOKENS = 1024
+
 _ID_PREFIX = f"tidal-{secrets.token_hex(6)}-"
 _IDS = itertools.count(1)
 
@@ -120,6 +126,7 @@ class ProxyJob:
     waiter: asyncio.Future[str] | None = None
     raw_send: Send | None = None  # the server's send, past the middleware wrappers
     tenant: str = ""
+    completion_tokens: int | None = None  # what the answer generated, once known
 
     def disconnected(self) -> None:
         self.client_gone = True
@@ -333,6 +340,19 @@ class _Watch:
         return (self.t_last - self.t_first) / (tokens - 1)
 
 
+def _adding_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+    """``send`` with ``headers`` added to the response's start (the body passes untouched)."""
+    if not headers:
+        return send
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *headers]}
+        await send(message)
+
+    return sending
+
+
 async def _send_json(
     send: Send, status: int, body: dict[str, Any] | bytes, headers: tuple[tuple[bytes, bytes], ...] = ()
 ) -> None:
@@ -400,6 +420,8 @@ class Proxy:
         external: ReplicaClient | None = None,
         external_model: str | None = None,
         retry_before_first_token: bool = True,
+        quotas: QuotaStore | None = None,
+        quota_of: Callable[[str], QuotaSpec | None] | None = None,
     ) -> None:
         self.registry = registry
         self.router = router
@@ -410,6 +432,11 @@ class Proxy:
         self.external = external
         self.external_model = external_model
         self.attempts = 2 if retry_before_first_token else 1
+        self.quotas = quotas
+        self.quota_of = quota_of
+        # Where a tenant is counted while the shared store does not answer: this gateway alone.
+        self.local_quotas = LocalQuotas(clock)
+        self._store_down_logged = False
 
     # -- capacity ---------------------------------------------------------------------------------
 
@@ -426,10 +453,60 @@ class Proxy:
 
     async def run(self, job: ProxyJob, send: Send) -> None:
         plan = job.plan
-        if plan.external or plan.pool is None:
-            await self._external(job, send)
-            return
-        pool = plan.pool
+        reservation: Reservation | None = None
+        quota = self.quota_of(job.tenant) if self.quota_of is not None else None
+        if quota is not None and (quota.requests_per_minute or quota.tokens_per_minute):
+            allowed = await self._take_quota(job, quota)
+            send = _adding_headers(send, allowed.headers())  # on every answer, good or bad
+            if not allowed.allowed:
+                await self._quota_refused(job, allowed, send)
+                return
+            reservation = allowed.reservation
+        # No coroutine of its own for the rest: a stream resumes once per token through every
+        # frame awaiting it.
+        try:
+            if plan.external or plan.pool is None:
+                await self._external(job, send)
+                return
+            await self._admit_and_serve(job, plan.pool, send)
+        finally:
+            if reservation is not None and job.completion_tokens is not None:
+                await self._settle(reservation, plan.prompt_tokens + job.completion_tokens)
+
+    async def _take_quota(self, job: ProxyJob, quota: QuotaSpec) -> QuotaVerdict:
+        """Count the request against its tenant's limits: prompt plus ``max_tokens`` (or
+        :data:`RESERVED_COMPLETION_TOKENS` when it sets none) until the answer says what it used."""
+        tokens = job.plan.prompt_tokens + (job.plan.max_tokens or RESERVED_COMPLETION_TOKENS)
+        if self.quotas is not None:
+            try:
+                verdict = await self.quotas.take(job.tenant, quota, tokens)
+                self._store_down_logged = False
+                return verdict
+            except QuotaUnavailable as exc:
+                if not self._store_down_logged:
+                    log.warning("quota store unavailable (%s); counting on this gateway alone", exc)
+                    self._store_down_logged = True
+        return await self.local_quotas.take(job.tenant, quota, tokens)
+
+    async def _settle(self, reservation: Reservation, used_tokens: int) -> None:
+        store = self.quotas if self.quotas is not None and not self._store_down_logged else self.local_quotas
+        # Unsettled, the reservation stands: the tenant is counted for what it might have used.
+        with contextlib.suppress(QuotaUnavailable):
+            await store.settle(reservation, used_tokens)
+
+    async def _quota_refused(self, job: ProxyJob, verdict: QuotaVerdict, send: Send) -> None:
+        exceeded = verdict.exceeded
+        kind = exceeded.kind if exceeded is not None else "requests"
+        self.metrics.tenant_refused(job.tenant, f"quota_{kind}")
+        await _send_json(
+            send,
+            429,
+            error_body(429, verdict.message(job.tenant), type_=kind, code="rate_limit_exceeded"),
+            ((b"retry-after", str(verdict.retry_after_s).encode()),),
+        )
+
+    async def _admit_and_serve(self, job: ProxyJob, pool: str, send: Send) -> None:
+        plan = job.plan
         verdict, ticket = self.admission.offer(
             pool,
             plan.class_name,
@@ -439,8 +516,6 @@ class Proxy:
             regulated=not plan.overflow_allowed,
             tenant=job.tenant,
         )
-        # No coroutine of its own for the rest: a stream resumes once per token through every
-        # frame awaiting it.
         try:
             if verdict.decision is Decision.QUEUE:
                 verdict = await self._wait(job, ticket)
@@ -646,6 +721,7 @@ class Proxy:
                     choices=n if isinstance(n, int) and n > 1 else 1,
                 )
                 tpot, failed = await self._stream(job, resp, watch, send, may_retry, target)
+                job.completion_tokens = watch.tokens_per_choice() * (n if isinstance(n, int) and n > 1 else 1)
                 return None
         except HeaderError as exc:
             if not job.sent and not job.client_gone:

@@ -185,6 +185,7 @@ class Admission:
       other gateways (default: none; this gateway's own counts are kept here).
     * ``on_push_out`` -- called with a waiting ticket pushed out of a full queue (its
       ``verdict`` says what became of it); without it a full queue refuses the newcomer.
+    * ``on_tenant_outcome`` -- called with ``(tenant, outcome)`` for every request's outcome.
     """
 
     def __init__(
@@ -200,6 +201,7 @@ class Admission:
         weight: Callable[[str], float] | None = None,
         remote_inflight: Callable[[str, str], int] | None = None,
         on_push_out: Callable[[Ticket], None] | None = None,
+        on_tenant_outcome: Callable[[str, Outcome], None] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown admission policy '{policy}' (known: {', '.join(POLICIES)})")
@@ -213,6 +215,7 @@ class Admission:
         self.weight = weight or (lambda _tenant: 1.0)
         self.remote_inflight = remote_inflight
         self.on_push_out = on_push_out
+        self.on_tenant_outcome = on_tenant_outcome
         self.outcomes: Counter[tuple[str, str, Outcome]] = Counter()
         # Per (pool, tenant): requests granted here and not finished; per tenant: waiting here.
         self.held: Counter[tuple[str, str]] = Counter()
@@ -233,10 +236,12 @@ class Admission:
             self._waits[pool] = SlidingWindow(self.window_s, self.clock)
         return q
 
-    def count(self, class_name: str, feature: str, outcome: Outcome) -> None:
+    def count(self, class_name: str, feature: str, outcome: Outcome, tenant: str | None = None) -> None:
         self.outcomes[(class_name, feature, outcome)] += 1
         if self.on_outcome is not None:
             self.on_outcome(class_name, feature, outcome)
+        if tenant is not None and self.on_tenant_outcome is not None:
+            self.on_tenant_outcome(tenant, outcome)
 
     def _available(self, pool: str) -> int:
         return self.capacity.free_slots(pool) - self._pool(pool).granted
@@ -310,9 +315,9 @@ class Admission:
 
     def _refuse(self, ticket: Ticket, budget_s: float, reason: str) -> Verdict:
         if self.overflow_available and not ticket.regulated:
-            self.count(ticket.class_name, ticket.feature, Outcome.OVERFLOWED)
+            self.count(ticket.class_name, ticket.feature, Outcome.OVERFLOWED, ticket.tenant)
             return Verdict(Decision.OVERFLOW, reason=reason)
-        self.count(ticket.class_name, ticket.feature, Outcome.REJECTED)
+        self.count(ticket.class_name, ticket.feature, Outcome.REJECTED, ticket.tenant)
         return Verdict(
             Decision.REJECT,
             retry_after_s=self.retry_after(ticket.pool, ticket.priority, budget_s, ticket.tenant),
@@ -361,7 +366,7 @@ class Admission:
         q.size += 1
         self.queued_total += 1
         self.waiting[tenant] += 1
-        self.count(class_name, feature, Outcome.QUEUED)
+        self.count(class_name, feature, Outcome.QUEUED, tenant)
         return Verdict(Decision.QUEUE), ticket
 
     def _push_out_for(self, tenant: str) -> bool:
@@ -395,7 +400,7 @@ class Admission:
         q.granted += 1
         self.held[(ticket.pool, ticket.tenant)] += 1
         self._waits[ticket.pool].add(now - ticket.arrived_at)
-        self.count(ticket.class_name, ticket.feature, Outcome.ADMITTED)
+        self.count(ticket.class_name, ticket.feature, Outcome.ADMITTED, ticket.tenant)
 
     def _unqueue(self, ticket: Ticket, q: _PoolQueue) -> None:
         level = q.by_priority.get(ticket.priority)
