@@ -47,8 +47,9 @@ BATCH_ACTIVE: frozenset[str] = frozenset({"validating", "in_progress", "finalizi
 
 LinePublicState = Literal["pending", "done", "failed"]
 # pending: not sent yet (or not answered); done: in the output file; failed: in the error file.
-# pending: waiting to be published; publishing: a publisher claimed it; queued: the broker has it;
-# running: a worker holds it; done: every line has a result; dead: past the delivery limit.
+# pending: waiting to be published (until its tenant's window has room); publishing: a publisher
+# claimed it; queued: the broker has it; running: a worker holds it; done: every line has a
+# result; dead: past the delivery limit. publishing, queued and running fill the window.
 ChunkState = Literal["pending", "publishing", "queued", "running", "done", "dead"]
 
 
