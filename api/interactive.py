@@ -98,6 +98,7 @@ class InteractiveService:
             remote_inflight=self._remote_tenant_inflight,
             on_push_out=lambda ticket: self.proxy.pushed_out(ticket),
             on_tenant_outcome=self.metrics.tenant_outcome,
+            borrow_slots=fleet.gateway.fair_borrow_slots,
         )
         self.metrics.attach_live(self.registry, self.admission)
         self.adapters = AdapterManager(

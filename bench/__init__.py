@@ -17,4 +17,5 @@ BENCHMARKS: dict[str, str] = {
     "batch": "bench.batch:run",
     "sim": "bench.sim:run",
     "kv-keys": "bench.kv_keys:run",
+    "fairness": "bench.fairness:run",
 }

@@ -72,6 +72,7 @@ import asyncio
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -354,12 +355,14 @@ class _Inflight:
     ticket: Ticket | None = None
     replica: ReplicaState | None = None
     prefilled: bool = False
+    tenant: str = ""
 
 
 @dataclass
 class _Outcome:
     arrival: float
     result: SimResult
+    tenant: str = ""
 
 
 @dataclass
@@ -385,9 +388,17 @@ class VirtualGateway:
         self.states = self.registry.in_pool("interactive")
         self.index = {s.name: i for i, s in enumerate(self.states)}
         self.router = build_router(self.fleet.router, clock=self.clock, seed=self.seed)
+        weights = {t.name: t.weight for t in self.fleet.tenants}
         self.admission = Admission(
-            capacity=self.registry, clock=self.clock, max_queue=self.fleet.gateway.max_queue
+            capacity=self.registry,
+            clock=self.clock,
+            max_queue=self.fleet.gateway.max_queue,
+            policy=self.fleet.gateway.admission_policy,
+            weight=lambda tenant: weights.get(tenant, 1.0),
+            remote_inflight=self._remote_tenant_inflight,
+            borrow_slots=self.fleet.gateway.fair_borrow_slots,
         )
+        self.refused_by: Counter[str] = Counter()  # per tenant
         self.klass = self.fleet.classes["interactive"]
         self.outstanding = 0
         self._ids = 0
@@ -403,11 +414,15 @@ class VirtualGateway:
                 interval_s=gw.shared_state_interval_s,
                 ttl_s=gw.shared_state_ttl_s,
                 queue_depth=self.admission.queue_depth,
+                tenant_load=lambda: self.admission.held,
                 on_freed=self._freed,
             )
         if self.kv is not None:
             for state in self.states:
                 state.kv_events = self.kv.indexes[self.index[state.name]]
+
+    def _remote_tenant_inflight(self, pool: str, tenant: str) -> int:
+        return self.shared.remote_tenants.get((pool, tenant), 0) if self.shared is not None else 0
 
     # -- the shared load state's sync loop, in virtual time -------------------------------------------
 
@@ -437,7 +452,7 @@ class VirtualGateway:
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def arrive(self, req: TraceRequest, at: float) -> None:
+    def arrive(self, req: TraceRequest, at: float, tenant: str = "") -> None:
         def on_arrival(cluster: VirtualCluster) -> None:
             if self.outstanding == 0:
                 cluster.at(cluster.now, self._scrape)
@@ -456,7 +471,7 @@ class VirtualGateway:
                 prompt_tokens=req.input_length,
                 engine_keys=None if self.kv is None else PromptKeys(partial(_trace_tokens, req)),
             )
-            job = _Inflight(req, cluster.now, route)
+            job = _Inflight(req, cluster.now, route, tenant=tenant)
             verdict, ticket = self.admission.offer(
                 "interactive",
                 "interactive",
@@ -465,6 +480,7 @@ class VirtualGateway:
                 feature="default",
                 regulated=False,
                 payload=job,
+                tenant=tenant,
             )
             job.ticket = ticket
             if verdict.decision is Decision.ADMIT:
@@ -472,18 +488,19 @@ class VirtualGateway:
             elif verdict.decision is Decision.QUEUE:
                 cluster.at(ticket.deadline, partial(self._expire_at, ticket))
             else:
-                self._refuse()
+                self._refuse(tenant)
 
         self.cluster.at(at, on_arrival)
 
-    def _refuse(self) -> None:
+    def _refuse(self, tenant: str = "") -> None:
         self.refused += 1
+        self.refused_by[tenant] += 1
         self.outstanding -= 1
 
     def _expire_at(self, ticket: Ticket, cluster: VirtualCluster) -> None:
         # Only a ticket still queued is refused: one granted meanwhile has started (or finished).
         if ticket.state in ("waiting", "late") and self.admission.expire(ticket) is not None:
-            self._refuse()
+            self._refuse(ticket.tenant)
 
     def _dispatch(self, job: _Inflight) -> None:
         assert job.ticket is not None
@@ -519,10 +536,12 @@ class VirtualGateway:
 
     def _finished(self, job: _Inflight, res: SimResult) -> None:
         assert job.replica is not None
-        self.served.append(_Outcome(job.arrival, res))
+        self.served.append(_Outcome(job.arrival, res, job.tenant))
         pending = 0 if job.prefilled else job.req.input_length
         self.registry.release(job.replica, tpot_s=res.tpot, pending_prompt_tokens=pending)
         self.admission.completed("interactive")
+        assert job.ticket is not None
+        self.admission.finished(job.ticket)
         self.outstanding -= 1
         for ticket in self.admission.wake("interactive"):
             self._dispatch(ticket.payload)

@@ -26,6 +26,9 @@ tenant that asks for less than its share gets all it asks for (max-min fairness 
 The wait predicted for a newcomer counts only the requests the fair order serves before it, and
 when the gateway queue is full a newcomer whose tenant queues less than its share pushes out the
 newest waiter of the tenant that queues the most per weight (``on_push_out`` tells that waiter).
+A tenant below its share does not even wait for another's request to end: it may **borrow** a
+slot over the pool's caps, at most ``borrow_slots`` over them at a time, which the pool pays
+back as the next slot frees (the over-share tenant's next request waits for it instead).
 ``policy="fifo"`` is the earlier behaviour, one arrival order per class, kept as a baseline.
 
 Every outcome is counted per class and feature (``admitted``, ``queued``, ``rejected_429``,
@@ -96,9 +99,12 @@ class Verdict:
 
 
 class CapacitySource(Protocol):
-    """Free interactive slots of a pool: sum over routable replicas of ``cap - in-flight``."""
+    """Free interactive slots of a pool: sum over routable replicas of ``cap - in-flight``; and
+    how far its replicas are over their caps (sum of ``in-flight - cap`` where positive)."""
 
     def free_slots(self, pool: str) -> int: ...
+
+    def over_cap(self, pool: str) -> int: ...
 
 
 @dataclass(eq=False)
@@ -186,6 +192,8 @@ class Admission:
     * ``on_push_out`` -- called with a waiting ticket pushed out of a full queue (its
       ``verdict`` says what became of it); without it a full queue refuses the newcomer.
     * ``on_tenant_outcome`` -- called with ``(tenant, outcome)`` for every request's outcome.
+    * ``borrow_slots`` -- how far over its caps a pool may go for tenants below their share
+      (fair policy; 0: never).
     """
 
     def __init__(
@@ -202,6 +210,7 @@ class Admission:
         remote_inflight: Callable[[str, str], int] | None = None,
         on_push_out: Callable[[Ticket], None] | None = None,
         on_tenant_outcome: Callable[[str, Outcome], None] | None = None,
+        borrow_slots: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown admission policy '{policy}' (known: {', '.join(POLICIES)})")
@@ -216,6 +225,8 @@ class Admission:
         self.remote_inflight = remote_inflight
         self.on_push_out = on_push_out
         self.on_tenant_outcome = on_tenant_outcome
+        self.borrow_slots = borrow_slots
+        self.borrowed = 0  # grants made over the caps (a count, for metrics and tests)
         self.outcomes: Counter[tuple[str, str, Outcome]] = Counter()
         # Per (pool, tenant): requests granted here and not finished; per tenant: waiting here.
         self.held: Counter[tuple[str, str]] = Counter()
@@ -351,7 +362,9 @@ class Admission:
             tenant,
         )
         q = self._pool(pool)
-        if self._available(pool) > 0 and q.ahead_of(priority) == 0:
+        if (self._available(pool) > 0 and q.ahead_of(priority) == 0) or self._may_borrow(
+            q, pool, priority, tenant
+        ):
             self._grant(ticket, q, now)
             return Verdict(Decision.ADMIT), ticket
         if self.queued_total >= self.max_queue and not self._push_out_for(tenant):
@@ -368,6 +381,36 @@ class Admission:
         self.waiting[tenant] += 1
         self.count(class_name, feature, Outcome.QUEUED, tenant)
         return Verdict(Decision.QUEUE), ticket
+
+    def _may_borrow(self, q: _PoolQueue, pool: str, priority: int, tenant: str) -> bool:
+        """Whether a newcomer of ``tenant`` takes a slot over the caps: fair policy, nobody more
+        urgent waiting, the pool less than ``borrow_slots`` over its caps, and the tenant below
+        its share of what the pool's tenants hold (and no waiting tenant further below it)."""
+        if not self.fair or self.borrow_slots <= 0:
+            return False
+        if any(level.size for p, level in q.by_priority.items() if p < priority):
+            return False
+        over = self.capacity.over_cap(pool) + max(0, q.granted - self.capacity.free_slots(pool))
+        if over >= self.borrow_slots:
+            return False
+        level = q.by_priority.get(priority)
+        waiting = set(level.by_tenant) if level is not None else set()
+        holders = {t for (p, t), n in self.held.items() if p == pool and n > 0}
+        if self.remote_inflight is not None:
+            holders |= {t for t in waiting if self.remote_inflight(pool, t) > 0}
+        tenants = holders | waiting | {tenant}
+        total = sum(
+            self.held[(pool, t)] + (self.remote_inflight(pool, t) if self.remote_inflight else 0)
+            for t in tenants
+        )
+        fair_level = (total + 1) / sum(self.weight(t) for t in tenants)
+        mine = self._share(pool, tenant) + 1 / self.weight(tenant)
+        if mine > fair_level or not any(self._share(pool, u) > mine for u in tenants if u != tenant):
+            return False  # not below its share, or nobody above it to pay the slot back
+        if any(self._share(pool, t) < self._share(pool, tenant) for t in waiting if t != tenant):
+            return False
+        self.borrowed += 1
+        return True
 
     def _push_out_for(self, tenant: str) -> bool:
         """With the queue full, make room for a newcomer of ``tenant`` when it queues less than

@@ -187,6 +187,13 @@ class ReplicaRegistry:
         now = self.clock.now()
         return [s.view(now) for s in self._by_pool.get(pool, ())]
 
+    def over_cap(self, pool: str) -> int:
+        return sum(
+            max(0, s.inflight + s.remote_inflight - s.cap.value)
+            for s in self._by_pool.get(pool, ())
+            if s.routable
+        )
+
     def free_slots(self, pool: str) -> int:
         return sum(
             max(0, s.cap.value - s.inflight - s.remote_inflight)

@@ -557,6 +557,8 @@ class GatewaySpec(_Strict):
     max_queue: int = Field(default=256, ge=0, le=1_000_000)
     # Within a class: "fair" across tenants by weight, or "fifo" (one arrival order).
     admission_policy: Literal["fair", "fifo"] = "fair"
+    # With fair share, how far over its caps a pool may go for tenants below their share.
+    fair_borrow_slots: int = Field(default=2, ge=0, le=10_000)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0, le=1024 * 1024 * 1024)
     scrape_interval_s: float = Field(default=1.0, gt=0, le=60)
     retry_before_first_token: bool = True

@@ -15,6 +15,11 @@ class Slots:
     def free_slots(self, pool: str) -> int:
         return self.free.get(pool, 0)
 
+    over: int = 0
+
+    def over_cap(self, pool: str) -> int:
+        return self.over
+
 
 def make(
     free: int = 0, *, max_queue: int = 4, overflow: bool = False
@@ -260,3 +265,38 @@ def test_the_expected_wait_counts_what_fair_order_serves_first() -> None:
             ask(a, "heavy", budget=60)
         verdict, _ = ask(a, "light", budget=2.0)
         assert verdict.decision is expect, policy
+
+
+def test_a_tenant_below_its_share_borrows_a_slot_over_the_caps() -> None:
+    a, slots, _ = tenants(borrow_slots=2)
+    for _ in range(12):
+        ask(a, "heavy")
+    grant_one_by_one(a, slots, 8)  # heavy holds 8 of 8 slots, 4 more wait
+    # The light tenant holds nothing: it does not wait for a heavy request to end.
+    v, light = ask(a, "light")
+    assert v.decision is Decision.ADMIT and light.state == "granted" and a.borrowed == 1
+    a.started(light)
+    slots.over = 1  # the replicas now run one over their caps
+    assert ask(a, "light")[0].decision is Decision.ADMIT  # still below its share, one more
+    slots.over = 2
+    assert ask(a, "light")[0].decision is Decision.QUEUE  # the pool is as far over as allowed
+    # A tenant alone never borrows (nobody would pay the slot back), nor does the heavy one.
+    b, _, _ = tenants(borrow_slots=2)
+    for _ in range(3):
+        ask(b, "solo")
+    assert ask(b, "solo")[0].decision is Decision.QUEUE and b.borrowed == 0
+    assert ask(a, "heavy")[0].decision is Decision.QUEUE
+
+
+def test_borrowing_keeps_class_priority_and_needs_fair_share() -> None:
+    for policy, borrow, urgent_waiting in (("fifo", 2, False), ("fair", 0, False), ("fair", 2, True)):
+        a, slots, _ = tenants(policy=policy, borrow_slots=borrow)
+        for _ in range(3):
+            ask(a, "heavy")
+        grant_one_by_one(a, slots, 2)
+        if urgent_waiting:
+            v, _ = a.offer(
+                "p", "vip", priority=-1, wait_budget_s=60, feature="chat", regulated=False, tenant="heavy"
+            )
+            assert v.decision is Decision.QUEUE  # over its share: it waits, and blocks borrowing
+        assert ask(a, "light")[0].decision is Decision.QUEUE, (policy, borrow, urgent_waiting)
