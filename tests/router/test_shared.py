@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from priority.admission import Admission, Decision
+from priority.admission import Admission, Decision, Ticket
 from priority.capacity import AdaptiveCap
 from router.registry import ReplicaRegistry, ReplicaState
 from router.shared import (
@@ -316,3 +316,45 @@ def test_the_interval_must_be_shorter_than_the_ttl() -> None:
         SharedLoad(
             ReplicaRegistry(store.clock), StoreClient(store, "a"), clock=store.clock, interval_s=2, ttl_s=2
         )
+
+
+async def test_a_tenant_s_share_counts_what_it_holds_through_every_gateway() -> None:
+    """Two replicas of 5 slots: tenant "big" holds 5 through gateway a; at gateway b "small"
+    holds 4 and "other" 1. When other's slot frees, b gives it to "small" (4 held) before "big"
+    (none held at b, 5 through a): fair share is of the pool, not of one gateway."""
+    store = Store(ManualClock())
+    reg_a, a = _gateway(store, "a", cap=5)
+    reg_b, b = _gateway(store, "b", cap=5)
+    at_a = Admission(capacity=reg_a, clock=store.clock)
+    a.tenant_load = lambda: at_a.held
+    at_b = Admission(
+        capacity=reg_b, clock=store.clock, remote_inflight=lambda pool, t: b.remote_tenants.get((pool, t), 0)
+    )
+
+    def take(adm: Admission, reg: ReplicaRegistry, replica: str, tenant: str) -> Ticket:
+        verdict, ticket = adm.offer(
+            "interactive", "c", priority=0, wait_budget_s=5, feature="f", regulated=True, tenant=tenant
+        )
+        assert verdict.decision is Decision.ADMIT
+        adm.started(ticket)
+        reg.acquire(reg.get(replica))  # type: ignore[arg-type]
+        return ticket
+
+    for _ in range(5):
+        take(at_a, reg_a, "r0", "big")
+    await a.sync_once()
+    await b.sync_once()
+    assert b.remote_tenants == {("interactive", "big"): 5}
+    for _ in range(4):
+        take(at_b, reg_b, "r1", "small")
+    other = take(at_b, reg_b, "r1", "other")
+    _, big = at_b.offer(
+        "interactive", "c", priority=0, wait_budget_s=5, feature="f", regulated=True, tenant="big"
+    )
+    _, small = at_b.offer(
+        "interactive", "c", priority=0, wait_budget_s=5, feature="f", regulated=True, tenant="small"
+    )
+    assert big.state == small.state == "waiting"
+    reg_b.release(reg_b.get("r1"))  # type: ignore[arg-type]
+    at_b.finished(other)
+    assert at_b.wake("interactive") == [small]
