@@ -217,14 +217,7 @@ class _Watch:
             and b"\r" not in piece
             and self._decoder.idle
         ):
-            data = piece[6:-2]
-            if data == b"[DONE]":
-                self.done = True
-            else:
-                self._tail += 1
-                self._last = data
-                self._t_before = self.t_last
-                self.t_last = self._now()
+            self._count_one(piece[6:-2])
             return "token"
         if self.broken:
             return "token"
@@ -287,13 +280,7 @@ class _Watch:
             return
         if self._one_choice:
             for data, *_ in events:
-                if data == b"[DONE]":
-                    self.done = True
-                else:
-                    self._tail += 1
-                    self._last = data
-                    self._t_before = self.t_last
-                    self.t_last = self._now()
+                self._count_one(data)
             return
         output = False
         outputs = self.outputs
@@ -308,6 +295,16 @@ class _Watch:
                 outputs[index] = outputs.get(index, 0) + 1
                 output = True
         if output:
+            self.t_last = self._now()
+
+    def _count_one(self, data: bytes) -> None:
+        """One event of a one-choice stream past its first token, counted unparsed."""
+        if data == b"[DONE]":
+            self.done = True
+        else:
+            self._tail += 1
+            self._last = data
+            self._t_before = self.t_last
             self.t_last = self._now()
 
     def _settle(self) -> None:
