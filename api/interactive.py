@@ -29,7 +29,7 @@ from api.errors import APIError
 from api.metrics import GatewayMetrics
 from api.proxy import Proxy, ProxyJob, ProxyResponse
 from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from api.shared_state import build_shared_load
+from api.shared_state import AdminFeed, build_shared_load
 from priority.admission import Admission, Outcome
 from priority.features import FEATURE_HEADER, PlanError, estimate_tokens, plan_request, resolve_feature
 from priority.quotas import LocalQuotas, RedisQuotas
@@ -159,6 +159,17 @@ class InteractiveService:
         self._scrape_task: asyncio.Task[None] | None = None
         self._shared_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # Admin changes made at another gateway process reach this one (and this one's reach
+        # them) through Redis, alongside the shared load.
+        self.admin_feed: AdminFeed | None = None
+        if self.shared is not None and settings.redis_url:
+            self.admin_feed = AdminFeed(
+                settings.redis_url,
+                namespace=settings.redis_namespace,
+                origin=self.shared.store.gateway_id,
+                apply=self.apply_admin,
+            )
+        self._admin_task: asyncio.Task[None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -175,9 +186,15 @@ class InteractiveService:
         if self.shared is not None:
             await self.shared.sync_once()  # start from the fleet's counts and caps, not from zero
             self._shared_task = loop.create_task(self.shared.run_forever())
+        if self.admin_feed is not None:
+            self._admin_task = loop.create_task(self.admin_feed.run_forever())
 
     async def shutdown(self) -> None:
-        tasks = [t for t in (self._scrape_task, self._shared_task, *self._background) if t is not None]
+        tasks = [
+            t
+            for t in (self._scrape_task, self._shared_task, self._admin_task, *self._background)
+            if t is not None
+        ]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -192,6 +209,8 @@ class InteractiveService:
         if self.shared is not None:
             await self.shared.leave()  # the others stop counting this gateway's requests at once
             await self.shared.store.aclose()
+        if self.admin_feed is not None:
+            await self.admin_feed.aclose()
 
     def _subscribe(self, name: str, endpoints: KVEventsEndpoints) -> None:
         state = self.registry.get(name)
@@ -390,7 +409,7 @@ class InteractiveService:
     def patch_replica(
         self, name: str, *, healthy: bool | None, draining: bool | None, weight: float | None
     ) -> ReplicaState:
-        state = self._replica(name)
+        state = self.replica(name)
         if weight is not None:
             state.weight = weight
         if draining is not None:
@@ -405,16 +424,52 @@ class InteractiveService:
         self.proxy.slot_freed(state.pool)
         return state
 
-    def _replica(self, name: str) -> ReplicaState:
+    def replica(self, name: str) -> ReplicaState:
+        """The replica called ``name``; 404 when there is none."""
         state = self.registry.get(name)
         if state is None:
             raise APIError(404, f"No replica named '{name[:200]}'.", param="name", code="replica_not_found")
         return state
 
+    async def apply_admin(self, op: str, data: dict[str, Any]) -> None:
+        """Apply an admin change another gateway process made (:class:`~api.shared_state.AdminFeed`):
+        what its ``/admin`` call did here, less what it did once for all (the batch tier's
+        record). A change that no longer applies (the name exists, or is gone) is skipped."""
+        name = str(data.get("name", ""))
+        state = self.registry.get(name)
+        if op == "register" and state is None:
+            k = data.get("kv_events")
+            self.add_replica(
+                name=name,
+                url=str(data["url"]),
+                pool=str(data["pool"]),
+                group=str(data.get("group", "stable")),
+                weight=float(data.get("weight", 1.0)),
+                max_loras=int(data.get("max_loras", 0)),
+                kv_events=None
+                if not k
+                else KVEventsEndpoints(k["endpoint"], k.get("replay_endpoint"), k.get("topic", "")),
+            )
+        elif op == "patch" and state is not None:
+            self.patch_replica(
+                name, healthy=data.get("healthy"), draining=data.get("draining"), weight=data.get("weight")
+            )
+        elif op == "remove" and state is not None:
+            task = asyncio.get_running_loop().create_task(
+                self.remove_replica(name, float(data.get("timeout_s", 30.0)))
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def share_admin(self, op: str, data: dict[str, Any]) -> None:
+        """Tell the other gateway processes about an admin change made here (when they share)."""
+        if self.admin_feed is not None:
+            await self.admin_feed.publish(op, data)
+
     async def remove_replica(self, name: str, timeout_s: float) -> tuple[bool, int]:
         """Drain (no new requests, in-flight ones finish), then deregister. Returns ``(removed,
         inflight)``; when the drain outlasts ``timeout_s`` the removal finishes in the background."""
-        state = self._replica(name)
+        state = self.replica(name)
         state.draining = True
         deadline = time.monotonic() + timeout_s
         while state.inflight > 0 and time.monotonic() < deadline:

@@ -24,13 +24,21 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from redis import asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
 
 from priority.admission import Admission
 from router.redis_load import RedisLoadStore
@@ -40,7 +48,9 @@ from tidal.clock import Clock
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 
-__all__ = ["build_shared_load"]
+__all__ = ["AdminFeed", "build_shared_load"]
+
+log = logging.getLogger(__name__)
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
 
@@ -135,3 +145,89 @@ def build_shared_load(
     )
     prom.register(_SharedStateMetrics(shared))
     return shared
+
+
+class AdminFeed:
+    """Admin changes made at one gateway process, applied by every other: a Redis stream.
+
+    ``POST``, ``PATCH`` and ``DELETE /admin/replicas`` change the process that answers them;
+    with several gateways (or ``--workers N``, where a call reaches whichever worker accepts its
+    connection) the others would never hear of it. So each change is also appended to the stream
+    ``<namespace>:admin`` (``XADD``, the newest ``maxlen`` kept) with the process that made it,
+    and every process reads the stream (``XREAD``, blocking up to a second) and applies what the
+    others made, in order. A process starting reads it from the beginning, so a gateway started
+    after replicas were registered, patched or removed ends in the same state (a registration of
+    a name it already has, or a change to one it does not, is skipped). A process that cannot
+    reach Redis keeps serving with what it has and catches up when Redis answers.
+
+    ``apply(op, data)`` makes one change: ``register`` (the ``POST`` body), ``patch`` (``name``
+    and the ``PATCH`` body) or ``remove`` (``name``, ``timeout_s``)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str,
+        origin: str,
+        apply: Callable[[str, dict[str, Any]], Awaitable[None]],
+        maxlen: int = 10_000,
+        timeout_s: float = 2.0,
+    ) -> None:
+        self.key = f"{namespace}:admin"
+        self.origin = origin
+        self.apply = apply
+        self.maxlen = maxlen
+        self.applied = 0
+        self._last = "0"  # from the beginning: converge on what happened before this process
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+        )
+        self._down_logged = False
+
+    async def publish(self, op: str, data: dict[str, Any]) -> None:
+        """Tell the other processes (best effort: a change Redis did not take stays local)."""
+        try:
+            await self._redis.xadd(
+                self.key,
+                {"origin": self.origin, "op": op, "data": json.dumps(data)},
+                maxlen=self.maxlen,
+                approximate=True,
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("admin change %s not shared with the other gateways: %s", op, exc)
+
+    async def poll(self, block_ms: int | None = None) -> int:
+        """Apply the others' changes since the last call; how many were applied."""
+        got: Any = await self._redis.xread({self.key: self._last}, count=256, block=block_ms)
+        n = 0
+        for _key, entries in got or ():
+            for entry_id, raw in entries:
+                self._last = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                fields = {_text(k): _text(v) for k, v in raw.items()}
+                if fields.get("origin") == self.origin:
+                    continue
+                try:
+                    await self.apply(fields["op"], json.loads(fields["data"]))
+                    n += 1
+                except Exception:  # one bad or stale change must not stop the others
+                    log.exception("could not apply a shared admin change %s", fields.get("op"))
+        self.applied += n
+        return n
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                await self.poll(block_ms=1000)
+                self._down_logged = False
+            except (RedisError, OSError) as exc:
+                if not self._down_logged:
+                    log.warning("shared admin changes unavailable (%s); retrying", exc)
+                    self._down_logged = True
+                await asyncio.sleep(1.0)
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)

@@ -19,6 +19,10 @@ The scheduler's health prober, canary controller, autoscaler actuator and batch 
 * ``GET /admin/load`` -- per pool: queue depth, queue wait / TTFT / TPOT p95 over a 5 s window,
   in-flight, KV usage max/mean, scraped waiting, healthy/total replicas, requests/s, error rate;
   per canary group: cumulative ``requests`` and ``errors`` and the windowed ``error_rate``.
+
+With ``TIDAL_REDIS_URL`` set, each change to replicas is also made by every other gateway process
+(:class:`~api.shared_state.AdminFeed`), so a call reaches the whole fleet, whichever process
+answered it.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ async def add_replica(
             s, name=state.name, pool=state.pool, url=state.url, group=state.group, max_loras=state.max_loras
         ),
     )
+    await service.share_admin("register", body.model_dump(mode="json"))
     return service.replica_json(state)
 
 
@@ -102,6 +107,7 @@ async def patch_replica(
     name: str, body: ReplicaPatch, admin: AdminDep, service: InteractiveDep
 ) -> dict[str, Any]:
     state = service.patch_replica(name, healthy=body.healthy, draining=body.draining, weight=body.weight)
+    await service.share_admin("patch", {"name": name, **body.model_dump(exclude_none=True)})
     return service.replica_json(state)
 
 
@@ -116,6 +122,8 @@ async def delete_replica(
 ) -> dict[str, Any]:
     # Workers first (also a record left behind by an earlier gateway process), then drain here.
     await _record(gateway, lambda s: delete_runtime_replica(s, name))
+    service.replica(name)  # 404 before telling anyone
+    await service.share_admin("remove", {"name": name, "timeout_s": timeout_s})
     removed, inflight = await service.remove_replica(name, timeout_s)
     if not removed:
         response.status_code = 202

@@ -365,9 +365,44 @@ def test_workers_share_load_through_redis_and_are_refused_without_it(
             finally:
                 stop.set()
             assert all(s.result() == 200 for s in streams)
+        # An admin change reaches both workers, whichever one answered it.
+        assert gw.admin("PATCH", "/admin/replicas/replica-0", json={"weight": 3}).status_code == 200
+        assert _wait(lambda: all(_replicas(gw)["replica-0"]["weight"] == 3 for _ in range(6)), 5) is not None
     finally:
         t0 = time.monotonic()
         proc.stop(timeout=45)  # the supervisor waits up to 30 s for its workers' graceful stop
         print(f"\n--workers 2 stopped in {time.monotonic() - t0:.2f} s")
     # A graceful stop: the supervisor exits 0 once its workers have (a SIGKILL would be -9).
     assert proc.proc is not None and proc.proc.returncode == 0
+
+
+def test_admin_changes_reach_every_gateway_and_a_late_one(
+    sims: list[ReplicaProcess], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    require_tcp("Redis", "127.0.0.1", 6379)
+    tmp = tmp_path_factory.mktemp("gw-admin")
+    env = _env(SHARED_REDIS, f"tidal-test-{secrets.token_hex(4)}")
+    fleet = _fleet(sims[:1])
+    with contextlib.ExitStack() as stack:
+        a, b = (stack.enter_context(run_gateway(tmp, fleet, env=env)) for _ in range(2))
+        # A replica registered at one gateway is routed to by the other,
+        r = a.admin(
+            "POST", "/admin/replicas", json={"name": "late", "url": sims[1].url, "pool": "interactive"}
+        )
+        assert r.status_code == 201, r.text
+        assert _wait(lambda: "late" in _replicas(b), 5) is not None
+        # marked unhealthy at the other, it is out at the first,
+        assert b.admin("PATCH", "/admin/replicas/late", json={"healthy": False}).status_code == 200
+        assert _wait(lambda: _replicas(a)["late"]["healthy"] is False, 5) is not None
+        assert (
+            b.admin("PATCH", "/admin/replicas/late", json={"healthy": True, "weight": 2}).status_code == 200
+        )
+        assert _wait(lambda: _replicas(a)["late"]["weight"] == 2, 5) is not None
+        # and a gateway started afterwards has it, in the state it has now.
+        c = stack.enter_context(run_gateway(tmp, fleet, env=env))
+        assert _wait(lambda: _replicas(c).get("late", {}).get("weight") == 2, 5) is not None
+        # Removed at one, it is gone from all.
+        assert b.admin("DELETE", "/admin/replicas/late").status_code == 200
+        assert _wait(lambda: all("late" not in _replicas(g) for g in (a, c)), 10) is not None
+        # An unknown name is a 404 and tells nobody.
+        assert a.admin("PATCH", "/admin/replicas/nobody", json={"healthy": False}).status_code == 404
