@@ -297,6 +297,11 @@ class _Watch:
         if output:
             self.t_last = self._now()
 
+    @property
+    def mid_event(self) -> bool:
+        """The bytes fed so far end inside an event (or broke the SSE rules)."""
+        return self.broken or not self._decoder.idle
+
     def _count_one(self, data: bytes) -> None:
         """One event of a one-choice stream past its first token, counted unparsed."""
         if data == b"[DONE]":
@@ -803,7 +808,10 @@ class Proxy:
                 if job.client_gone:
                     return None, False
                 failed = True
-                await send({"type": "http.response.body", "body": _STREAM_FAILED, "more_body": True})
+                # The bytes passed on may end inside an event: end it, or the error event would
+                # join its last line and neither would parse.
+                tail = b"\n\n" + _STREAM_FAILED if watch.mid_event else _STREAM_FAILED
+                await send({"type": "http.response.body", "body": tail, "more_body": True})
         if not job.client_gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return (None if failed else watch.tpot()), failed

@@ -158,3 +158,15 @@ def test_the_per_token_fast_path_counts_as_the_decoder_does(layout: str) -> None
 
     assert watched(fast=True) == watched(fast=False)
     assert watched(fast=True)[:2] == (9, True)
+
+
+def test_the_watch_knows_when_the_bytes_passed_on_end_inside_an_event() -> None:
+    """A stream cut there gets a blank line before its error event, so both parse."""
+    watch = _Watch(ManualClock())
+    watch.feed(ROLE)
+    watch.feed(TOKEN)
+    assert not watch.mid_event
+    watch.feed(TOKEN[:30])
+    assert watch.mid_event
+    watch.feed(TOKEN[30:])
+    assert not watch.mid_event
