@@ -48,8 +48,8 @@ from router.prefix import chat_prefix_key, completion_prefix_key, render_message
 from router.registry import ReplicaRegistry, ReplicaState
 from router.scraper import MetricsScraper
 from router.types import RouteRequest
-from tidal.clock import Clock, SystemClock
-from tidal.fleet import FleetConfig, QuotaSpec
+from tidal.clock import Clock, SystemClock, WallClock
+from tidal.fleet import FleetConfig, KVEventsSpec, QuotaSpec
 from tidal.settings import Settings
 
 __all__ = ["SESSION_HEADER", "InteractiveService"]
@@ -132,7 +132,7 @@ class InteractiveService:
             retry_before_first_token=fleet.gateway.retry_before_first_token,
             # Quotas count in Redis for every gateway when it is configured, else here.
             quotas=(
-                RedisQuotas(settings.redis_url, self.clock, namespace=settings.redis_namespace)
+                RedisQuotas(settings.redis_url, WallClock(), namespace=settings.redis_namespace)
                 if settings.redis_url
                 else LocalQuotas(self.clock)
             ),
@@ -155,7 +155,7 @@ class InteractiveService:
         for _, replica in fleet.all_replicas():
             if replica.kv_events is not None:
                 k = replica.kv_events
-                self._subscribe(replica.name, KVEventsEndpoints(k.endpoint, k.replay_endpoint, k.topic))
+                self._subscribe(replica.name, k)
         self._scrape_task: asyncio.Task[None] | None = None
         self._shared_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -212,7 +212,8 @@ class InteractiveService:
         if self.admin_feed is not None:
             await self.admin_feed.aclose()
 
-    def _subscribe(self, name: str, endpoints: KVEventsEndpoints) -> None:
+    def _subscribe(self, name: str, spec: KVEventsSpec) -> None:
+        endpoints = KVEventsEndpoints(spec.endpoint, spec.replay_endpoint, spec.topic)
         state = self.registry.get(name)
         if state is None:
             return
@@ -373,7 +374,7 @@ class InteractiveService:
         group: str,
         weight: float,
         max_loras: int,
-        kv_events: KVEventsEndpoints | None = None,
+        kv_events: KVEventsSpec | None = None,
     ) -> ReplicaState:
         spec = self.fleet.pools.get(pool)
         if spec is None:
@@ -446,9 +447,7 @@ class InteractiveService:
                 group=str(data.get("group", "stable")),
                 weight=float(data.get("weight", 1.0)),
                 max_loras=int(data.get("max_loras", 0)),
-                kv_events=None
-                if not k
-                else KVEventsEndpoints(k["endpoint"], k.get("replay_endpoint"), k.get("topic", "")),
+                kv_events=KVEventsSpec.model_validate(k) if k else None,
             )
         elif op == "patch" and state is not None:
             self.patch_replica(

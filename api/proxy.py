@@ -64,10 +64,10 @@ __all__ = ["Proxy", "ProxyJob", "ProxyResponse", "UpstreamHandle"]
 
 log = logging.getLogger(__name__)
 
-# Request ids: a random per-process prefix and a counter (uuid4 per request costs more).
 # Completion tokens a request that sets no max_tokens is counted for until it ends.
 RESERVED_COMPLETION_TOKENS = 1024
 
+# Request ids: a random per-process prefix and a counter (uuid4 per request costs more).
 _ID_PREFIX = f"tidal-{secrets.token_hex(6)}-"
 _IDS = itertools.count(1)
 
@@ -438,7 +438,7 @@ class Proxy:
         self.quota_of = quota_of
         # Where a tenant is counted while the shared store does not answer: this gateway alone.
         self.local_quotas = LocalQuotas(clock)
-        self._store_down_logged = False
+        self._store_down = False
 
     # -- capacity ---------------------------------------------------------------------------------
 
@@ -456,9 +456,10 @@ class Proxy:
     async def run(self, job: ProxyJob, send: Send) -> None:
         plan = job.plan
         reservation: Reservation | None = None
+        counted_by: QuotaStore = self.local_quotas
         quota = self.quota_of(job.tenant) if self.quota_of is not None else None
         if quota is not None and (quota.requests_per_minute or quota.tokens_per_minute):
-            allowed = await self._take_quota(job, quota)
+            allowed, counted_by = await self._take_quota(job, quota)
             send = _adding_headers(send, allowed.headers())  # on every answer, good or bad
             if not allowed.allowed:
                 await self._quota_refused(job, allowed, send)
@@ -473,28 +474,26 @@ class Proxy:
             await self._admit_and_serve(job, plan.pool, send)
         finally:
             if reservation is not None and job.completion_tokens is not None:
-                await self._settle(reservation, plan.prompt_tokens + job.completion_tokens)
+                # In the store that counted it; unsettled, the reservation stands (the tenant is
+                # counted for what it might have used).
+                with contextlib.suppress(QuotaUnavailable):
+                    await counted_by.settle(reservation, plan.prompt_tokens + job.completion_tokens)
 
-    async def _take_quota(self, job: ProxyJob, quota: QuotaSpec) -> QuotaVerdict:
+    async def _take_quota(self, job: ProxyJob, quota: QuotaSpec) -> tuple[QuotaVerdict, QuotaStore]:
         """Count the request against its tenant's limits: prompt plus ``max_tokens`` (or
-        :data:`RESERVED_COMPLETION_TOKENS` when it sets none) until the answer says what it used."""
+        :data:`RESERVED_COMPLETION_TOKENS` when it sets none) until the answer says what it used.
+        Returns the verdict and the store that counted it."""
         tokens = job.plan.prompt_tokens + (job.plan.max_tokens or RESERVED_COMPLETION_TOKENS)
         if self.quotas is not None:
             try:
                 verdict = await self.quotas.take(job.tenant, quota, tokens)
-                self._store_down_logged = False
-                return verdict
+                self._store_down = False
+                return verdict, self.quotas
             except QuotaUnavailable as exc:
-                if not self._store_down_logged:
+                if not self._store_down:
                     log.warning("quota store unavailable (%s); counting on this gateway alone", exc)
-                    self._store_down_logged = True
-        return await self.local_quotas.take(job.tenant, quota, tokens)
-
-    async def _settle(self, reservation: Reservation, used_tokens: int) -> None:
-        store = self.quotas if self.quotas is not None and not self._store_down_logged else self.local_quotas
-        # Unsettled, the reservation stands: the tenant is counted for what it might have used.
-        with contextlib.suppress(QuotaUnavailable):
-            await store.settle(reservation, used_tokens)
+                    self._store_down = True
+        return await self.local_quotas.take(job.tenant, quota, tokens), self.local_quotas
 
     async def _quota_refused(self, job: ProxyJob, verdict: QuotaVerdict, send: Send) -> None:
         exceeded = verdict.exceeded
@@ -717,13 +716,10 @@ class Proxy:
                     job.sent = True
                     return None
                 n = job.body.get("n")
-                watch = _Watch(
-                    self.clock,
-                    Assembler(chat=bool(chat)) if assemble else None,
-                    choices=n if isinstance(n, int) and n > 1 else 1,
-                )
+                choices = n if isinstance(n, int) and n > 1 else 1
+                watch = _Watch(self.clock, Assembler(chat=bool(chat)) if assemble else None, choices=choices)
                 tpot, failed = await self._stream(job, resp, watch, send, may_retry, target)
-                job.completion_tokens = watch.tokens_per_choice() * (n if isinstance(n, int) and n > 1 else 1)
+                job.completion_tokens = watch.tokens_per_choice() * choices
                 return None
         except HeaderError as exc:
             if not job.sent and not job.client_gone:

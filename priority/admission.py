@@ -257,12 +257,16 @@ class Admission:
     def _available(self, pool: str) -> int:
         return self.capacity.free_slots(pool) - self._pool(pool).granted
 
-    def _share(self, pool: str, tenant: str) -> float:
-        """Slots of ``pool`` the tenant holds, all gateways together, per unit of its weight."""
+    def _holding(self, pool: str, tenant: str) -> int:
+        """Slots of ``pool`` the tenant holds, all gateways together."""
         held = self.held[(pool, tenant)]
         if self.remote_inflight is not None:
             held += self.remote_inflight(pool, tenant)
-        return held / self.weight(tenant)
+        return held
+
+    def _share(self, pool: str, tenant: str) -> float:
+        """What the tenant holds of ``pool`` per unit of its weight."""
+        return self._holding(pool, tenant) / self.weight(tenant)
 
     def _next_tenant(self, pool: str, level: _Level) -> str:
         """Whose waiter a freed slot goes to: the fewest slots held per weight (fair), or the
@@ -396,13 +400,8 @@ class Admission:
         level = q.by_priority.get(priority)
         waiting = set(level.by_tenant) if level is not None else set()
         holders = {t for (p, t), n in self.held.items() if p == pool and n > 0}
-        if self.remote_inflight is not None:
-            holders |= {t for t in waiting if self.remote_inflight(pool, t) > 0}
         tenants = holders | waiting | {tenant}
-        total = sum(
-            self.held[(pool, t)] + (self.remote_inflight(pool, t) if self.remote_inflight else 0)
-            for t in tenants
-        )
+        total = sum(self._holding(pool, t) for t in tenants)
         fair_level = (total + 1) / sum(self.weight(t) for t in tenants)
         mine = self._share(pool, tenant) + 1 / self.weight(tenant)
         if mine > fair_level or not any(self._share(pool, u) > mine for u in tenants if u != tenant):

@@ -293,8 +293,9 @@ def _s(raw: Any) -> str:
 
 class RedisQuotas:
     """Quotas counted in Redis, shared by every gateway (``TIDAL_REDIS_URL``; ``namespace`` the
-    key prefix). The clock gives the window's time (gateways' clocks should agree to well under
-    a second, as NTP keeps them)."""
+    key prefix). The clock gives the window's time and must be one every gateway shares: wall
+    time (:class:`~tidal.clock.WallClock`, which NTP keeps within well under a second across
+    hosts), never a process's monotonic clock."""
 
     def __init__(self, url: str, clock: Clock, *, namespace: str = "tidal", timeout_s: float = 0.5) -> None:
         self.clock = clock

@@ -39,7 +39,6 @@ from sqlmodel import Session
 from api.deps import AdminDep, InteractiveDep, StateDep
 from api.state import GatewayState
 from batch_jobs.store import delete_runtime_replica, put_runtime_replica
-from router.kv_events import KVEventsEndpoints
 from tidal.fleet import KVEventsSpec
 
 __all__ = ["router"]
@@ -88,9 +87,7 @@ async def add_replica(
         group=body.group,
         weight=body.weight,
         max_loras=body.max_loras,
-        kv_events=None
-        if body.kv_events is None
-        else KVEventsEndpoints(body.kv_events.endpoint, body.kv_events.replay_endpoint, body.kv_events.topic),
+        kv_events=body.kv_events,
     )
     await _record(
         gateway,
