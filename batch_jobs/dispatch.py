@@ -130,7 +130,6 @@ def publish_pending(
     publisher: ChunkPublisher,
     *,
     batch_id: str | None = None,
-    created_before: float | None = None,
     limit: int = 2000,
 ) -> int:
     """Publish chunks still ``pending`` (most urgent batches first), whatever the tenants'
@@ -144,9 +143,6 @@ def publish_pending(
     if batch_id is not None:
         where.append("c.batch_id = :b")
         params["b"] = batch_id
-    if created_before is not None:
-        where.append("c.created_at <= :cut")
-        params["cut"] = created_before
     with store.session() as s:
         rows = (
             s.connection()
