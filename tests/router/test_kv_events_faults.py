@@ -90,8 +90,15 @@ async def test_a_cut_stream_is_never_routed_on_beyond_the_bound_and_recovers() -
         pub.publish([stored(OLD[:32], 10)])
         pub.publish([stored(OLD[32:], 20, parent=11)])  # dropped live
         pub.publish([BlockRemoved(block_hashes=[99], medium="GPU")])  # reveals the gap
-        await until(lambda: idx.leading(chain_keys(OLD, BS)) == 4)
-        assert tracker.stats("a").gaps == 1  # type: ignore[union-attr]
+        await until(lambda: idx.leading(chain_keys(OLD, BS)) == 4 and tracker.stats("a").last_seq == 2)  # type: ignore[union-attr]
+        # Batch 1 can only have come through replay, by one of two legitimate paths: the live
+        # stream saw the gap (2 after 0) and filled it, or a probe of the silent stream that was
+        # already in flight when the batches were published replayed them first (the live copies
+        # are then recognised and skipped, and no gap is seen). Either way each batch was applied
+        # exactly once and the picture is complete.
+        st = tracker.stats("a")
+        assert st is not None and st.batches == 3 and st.replayed >= 1 and st.gaps in (0, 1)
+        assert st.restarts == 0 and idx.complete
         await until(lambda: idx.as_of == 100.0)
         assert route(OLD) == "a"
 

@@ -293,7 +293,9 @@ async def test_late_join_is_rebuilt_from_the_replay_buffer(ports: tuple[int, int
             pub.publish(removal(4))
             await until(lambda: sink.removed == [1, 2, 3, 4])
     assert sink.resets[0] is True  # the buffer reaches back to 0: the picture is complete
-    assert sub.stats.last_seq == 3 and sub.stats.replayed == 3
+    # 0..2 came through the start's rebuild; 3 live, or through a probe of the silent stream that
+    # was already in flight when it was published (its live copy is then skipped).
+    assert sub.stats.last_seq == 3 and sub.stats.batches == 4 and sub.stats.replayed in (3, 4)
 
 
 @pytest.mark.anyio
