@@ -15,7 +15,7 @@ Prometheus (``GET /metrics``):
   (:class:`router.kv_events.KVEventsTracker`: index age, blocks, gaps, rebuilds, ...),
   ``tidal_router_ring_walks_total``, ``tidal_router_adapter_loads_total{replica}``,
   ``tidal_router_adapter_evictions_total{replica}``,
-  ``tidal_router_plugin_duration_seconds{extension, type, name}``;
+  ``tidal_router_plugin_duration_seconds{extension, type, name}`` (one decision in 8 is timed);
 * ``tidal_gateway_retries_total{reason}``, ``tidal_gateway_upstream_errors_total{replica}``,
   ``tidal_gateway_overflow_requests_total{result}``;
 * ``tidal_gateway_replica_inflight{replica, pool}``, ``tidal_gateway_replica_cap{replica, pool}``,
@@ -26,42 +26,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from priority.admission import Admission, Outcome
 from priority.window import SlidingWindow
 from replicas.wire.prom import LabelledHistogram
+from router.metrics import Children, RouterMetrics
 from router.registry import ReplicaRegistry
-from router.types import RouteResult
 from tidal.clock import Clock
 
 __all__ = ["GatewayMetrics", "PoolWindows"]
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
-_PLUGIN = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
-
-
-class _Children:
-    """A labelled counter's children, cached by label values: ``labels()`` checks, converts and
-    takes a lock on every call, which the per-request path need not pay. The label values are
-    bounded (pools, classes, features, replicas and profiles of the fleet; router notes)."""
-
-    __slots__ = ("_cache", "_metric")
-
-    def __init__(self, metric: Counter) -> None:
-        self._metric = metric
-        self._cache: dict[tuple[str, ...], Any] = {}
-
-    def __call__(self, *values: str) -> Any:
-        child = self._cache.get(values)
-        if child is None:
-            child = self._cache[values] = self._metric.labels(*values)
-        return child
 
 
 @dataclass
@@ -110,16 +90,17 @@ class _LiveState(Collector):
 
 
 @dataclass
-class GatewayMetrics:
-    """Prometheus series plus the windows behind ``/admin/load``; also the router's observer."""
+class GatewayMetrics(RouterMetrics):
+    """Prometheus series plus the windows behind ``/admin/load``; also the router's observer
+    (the router's own series: :class:`~router.metrics.RouterMetrics`)."""
 
-    prom: CollectorRegistry
     clock: Clock
     window_s: float = 5.0
     pools: dict[str, PoolWindows] = field(default_factory=dict)
     groups: dict[str, _Group] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         r = self.prom
         self.ttft = LabelledHistogram(
             "tidal_gateway_ttft_seconds",
@@ -145,9 +126,6 @@ class GatewayMetrics:
         self.outcomes = Counter(
             "tidal_admission_outcomes", "Admission outcomes", ["class", "feature", "outcome"], registry=r
         )
-        self.decisions = Counter(
-            "tidal_router_decisions", "Routing decisions", ["profile", "replica"], registry=r
-        )
         # Per tenant: its names come from the fleet config's keys, so the labels stay bounded.
         self.tenant_requests = Counter(
             "tidal_tenant_requests",
@@ -168,38 +146,6 @@ class GatewayMetrics:
             ["tenant", "kind"],
             registry=r,
         )
-        self.prefix = Counter("tidal_router_prefix", "Prefix-ring placement results", ["result"], registry=r)
-        self.session = Counter(
-            "tidal_router_session", "Session-ring placement results", ["result"], registry=r
-        )
-        self.prefill_cost = Counter(
-            "tidal_router_prefill_cost",
-            "Prefill-cost placements: where the prompt is partly cached, or cold",
-            ["result"],
-            registry=r,
-        )
-        self.kv_index = Counter(
-            "tidal_router_kv_index",
-            "Decisions by where the candidates' cache state came from (exact KV events, estimate, mixed)",
-            ["source"],
-            registry=r,
-        )
-        self.ring_walks = Counter(
-            "tidal_router_ring_walks", "Replicas skipped on the ring (over the load bound)", registry=r
-        )
-        self.adapter_loads = Counter(
-            "tidal_router_adapter_loads", "LoRA adapters loaded", ["replica"], registry=r
-        )
-        self.adapter_evictions = Counter(
-            "tidal_router_adapter_evictions", "LoRA adapters unloaded to make room", ["replica"], registry=r
-        )
-        self.plugin_seconds = LabelledHistogram(
-            "tidal_router_plugin_duration_seconds",
-            "Time in each router plugin call",
-            ["extension", "type", "name"],
-            _PLUGIN,
-            r,
-        )
         self.retries = Counter(
             "tidal_gateway_retries", "Requests retried on another replica", ["reason"], registry=r
         )
@@ -212,12 +158,7 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
-        self._outcomes = _Children(self.outcomes)
-        self._decisions = _Children(self.decisions)
-        self._prefix = _Children(self.prefix)
-        self._session = _Children(self.session)
-        self._prefill_cost = _Children(self.prefill_cost)
-        self._kv_index = _Children(self.kv_index)
+        self._outcomes = Children(self.outcomes)
 
     def attach_live(self, registry: ReplicaRegistry, admission: Admission) -> None:
         self.prom.register(_LiveState(registry, admission))
@@ -281,26 +222,3 @@ class GatewayMetrics:
     def token_time(self, pool: str, class_name: str, tpot_s: float) -> None:
         self.tpot.labels(pool, class_name).observe(tpot_s)
         self.pool(pool).tpot.add(tpot_s)
-
-    # -- RouterObserver ----------------------------------------------------------------------------
-
-    def plugin_timed(self, kind: str, type_: str, name: str, seconds: float) -> None:
-        self.plugin_seconds.labels(kind, type_, name).observe(seconds)
-
-    def decided(self, profile: str, result: RouteResult | None) -> None:
-        if result is None:
-            self._decisions(profile, "none").inc()
-            return
-        self._decisions(profile, result.replica.name).inc()
-        notes = result.notes
-        if "prefix" in notes:
-            self._prefix(notes["prefix"]).inc()
-        if "session" in notes:
-            self._session(notes["session"]).inc()
-        if "prefill_cost" in notes:
-            self._prefill_cost(notes["prefill_cost"]).inc()
-        if "kv_index" in notes:
-            self._kv_index(notes["kv_index"]).inc()
-        walks = notes.get("ring_walks")
-        if walks:
-            self.ring_walks.inc(walks)

@@ -18,4 +18,5 @@ BENCHMARKS: dict[str, str] = {
     "sim": "bench.sim:run",
     "kv-keys": "bench.kv_keys:run",
     "fairness": "bench.fairness:run",
+    "router-scale": "bench.router_scale:run",
 }

@@ -62,6 +62,7 @@ class AdapterManager:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._loading[(state.name, adapter)] = fut
         state.adapters[adapter] = self.registry.clock.now()  # visible to routing at once
+        self.registry.changed(state)
         try:
             async with self._locks.setdefault(state.name, asyncio.Lock()):
                 await self._make_room(state, client, adapter)
@@ -72,6 +73,7 @@ class AdapterManager:
             return True
         except BaseException as exc:
             state.adapters.pop(adapter, None)
+            self.registry.changed(state)
             if not fut.done():
                 fut.set_exception(
                     exc if isinstance(exc, ReplicaError) else AdapterUnavailable(str(exc), replica=state.name)
@@ -101,5 +103,6 @@ class AdapterManager:
             if exc.status != 404:  # already gone is fine
                 raise
         state.adapters.pop(victim, None)
+        self.registry.changed(state)
         if self.on_evict is not None:
             self.on_evict(state.name, victim)

@@ -64,6 +64,7 @@ from tidal.clock import Clock
 
 __all__ = [
     "ROOT_KEY",
+    "BlockHolders",
     "KVEventsEndpoints",
     "KVEventsTracker",
     "PromptKeys",
@@ -157,6 +158,50 @@ class PromptKeys:
         return keys
 
 
+class BlockHolders:
+    """The replicas holding each block, over every replica's index of one tracker: content key ->
+    a bitmask of replicas (bit ``bit(name)``). The router's ``kv-index`` reads it to nominate the
+    replicas that hold the longest run of a prompt at pool scale: a lookup costs what the
+    prompt's blocks cost, not what the pool costs. Ints only, so the garbage collector never
+    walks it."""
+
+    def __init__(self) -> None:
+        self.masks: dict[int, int] = {}
+        self.names: list[str | None] = []  # by bit; None: a bit freed by a removed replica
+        self._bits: dict[str, int] = {}
+
+    def bit(self, name: str) -> int:
+        """``name``'s bit (a fresh or freed one on first use)."""
+        b = self._bits.get(name)
+        if b is None:
+            free = [i for i, n in enumerate(self.names) if n is None]
+            b = free[0] if free else len(self.names)
+            if free:
+                self.names[b] = name
+            else:
+                self.names.append(name)
+            self._bits[name] = b
+        return b
+
+    def release(self, name: str) -> None:
+        """Forget ``name`` (its index has already discarded its blocks)."""
+        b = self._bits.pop(name, None)
+        if b is not None:
+            self.names[b] = None
+
+    def add(self, key: int, bit: int) -> None:
+        self.masks[key] = self.masks.get(key, 0) | (1 << bit)
+
+    def discard(self, key: int, bit: int) -> None:
+        m = self.masks.get(key)
+        if m is not None:
+            m &= ~(1 << bit)
+            if m:
+                self.masks[key] = m
+            else:
+                del self.masks[key]
+
+
 class ReplicaBlockIndex:
     """One replica's prefix-cache blocks, as its KV events describe them (a
     :class:`~replicas.wire.kv_events.KVEventSink`).
@@ -178,6 +223,21 @@ class ReplicaBlockIndex:
         self.removed = 0
         self.cleared = 0
         self.skipped = 0  # events of another medium or group, or not indexable blocks
+        self.holders: BlockHolders | None = None  # the pool-wide inverted index it keeps current
+        self._bit = 0
+
+    def share(self, holders: BlockHolders, bit: int) -> None:
+        """Keep ``holders`` current with this index's blocks under ``bit``."""
+        self.holders, self._bit = holders, bit
+        for key in self._count:
+            holders.add(key, bit)
+
+    def unshare(self) -> None:
+        """Take this index's blocks out of its holders."""
+        if self.holders is not None:
+            for key in self._count:
+                self.holders.discard(key, self._bit)
+            self.holders = None
 
     def __len__(self) -> int:
         """Distinct indexed blocks (by content key)."""
@@ -186,6 +246,9 @@ class ReplicaBlockIndex:
     # -- the sink --------------------------------------------------------------------------------
 
     def reset(self, *, complete: bool) -> None:
+        if self.holders is not None:
+            for key in self._count:
+                self.holders.discard(key, self._bit)
         self._key_of.clear()
         self._dups.clear()
         self._count.clear()
@@ -251,7 +314,10 @@ class ReplicaBlockIndex:
             self._dups[h] = self._dups.get(h, 1) + 1
             key = old  # type: ignore[assignment]  # one engine hash, one content
         if key is not None:
-            self._count[key] = self._count.get(key, 0) + 1
+            c = self._count.get(key, 0)
+            self._count[key] = c + 1
+            if not c and self.holders is not None:
+                self.holders.add(key, self._bit)
         if len(key_of) > self.max_blocks:
             self._drop(next(iter(key_of)))
             self.complete = False
@@ -283,8 +349,8 @@ class ReplicaBlockIndex:
         c = self._count.get(key, 0) - 1
         if c > 0:
             self._count[key] = c
-        else:
-            self._count.pop(key, None)
+        elif self._count.pop(key, None) is not None and self.holders is not None:
+            self.holders.discard(key, self._bit)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -348,6 +414,7 @@ class KVEventsTracker:
         self.max_blocks = max_blocks
         self._subs: dict[str, _Subscription] = {}
         self._running = False
+        self.holders = BlockHolders()  # every subscribed replica's blocks, by block
 
     def __contains__(self, name: str) -> bool:
         return name in self._subs
@@ -357,6 +424,7 @@ class KVEventsTracker:
         if name in self._subs:
             raise ValueError(f"replica {name!r} already has a KV-event subscription")
         index = ReplicaBlockIndex(max_blocks=self.max_blocks)
+        index.share(self.holders, self.holders.bit(name))
         sub = KVEventSubscriber(
             endpoints.endpoint,
             index,
@@ -395,6 +463,9 @@ class KVEventsTracker:
             s.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await s.task
+        if s is not None:
+            s.index.unshare()
+            self.holders.release(name)
 
     async def stop(self) -> None:
         self._running = False

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from priority.capacity import AdaptiveCap
 from replicas.metrics import LoadSnapshot
+from router.pool import PoolIndex
 from router.types import ReplicaView
 from tidal.clock import Clock
 from tidal.fleet import FleetConfig, PoolSpec
@@ -45,9 +46,38 @@ class Abortable(Protocol):
     def abort(self, reason: str) -> None: ...
 
 
+# What a view shows: writing one of these marks the replica's view for rebuilding.
+_VIEWED = frozenset(
+    (
+        "pool",
+        "model",
+        "group",
+        "weight",
+        "max_loras",
+        "region",
+        "healthy",
+        "draining",
+        "inflight",
+        "prefill_tokens",
+        "remote_inflight",
+        "remote_prefill_tokens",
+        "snapshot",
+        "snapshot_at",
+        "finished_since_snapshot",
+        "removed",
+        "kv_events",
+    )
+)
+
+
 @dataclass(eq=False)
 class ReplicaState:
-    """One replica's live state (mutable; the router gets frozen views of it)."""
+    """One replica's live state (mutable; the router gets frozen views of it).
+
+    Every write to a field the view shows tells the replica's pool index (:mod:`router.pool`),
+    which rebuilds the view before the next decision; a change the setter cannot see (the cap's
+    value, the ``adapters`` dict) is reported with :meth:`ReplicaRegistry.changed`.
+    """
 
     name: str
     url: str
@@ -78,12 +108,21 @@ class ReplicaState:
     errors: int = 0
     removed: bool = False
     kv_events: ReplicaBlockIndex | None = None  # its exact KV index, when it publishes events
+    index: PoolIndex | None = field(default=None, repr=False)
+    clock: Clock | None = field(default=None, repr=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _VIEWED:
+            index = self.__dict__.get("index")
+            if index is not None:
+                index.changed(self)
 
     @property
     def routable(self) -> bool:
         return self.healthy and not self.draining and self.weight > 0 and not self.removed
 
-    def view(self, now: float) -> ReplicaView:
+    def view(self) -> ReplicaView:
         snap = self.snapshot
         adapters = frozenset(self.adapters)
         if snap is not None and (snap.running_lora_adapters or snap.waiting_lora_adapters):
@@ -99,13 +138,14 @@ class ReplicaState:
             inflight=self.inflight + self.remote_inflight,
             cap=self.cap.value,
             snapshot=snap,
-            snapshot_age_s=now - self.snapshot_at if self.snapshot_at is not None else float("inf"),
+            snapshot_at=self.snapshot_at if snap is not None else None,
             loaded_adapters=adapters,
             max_loras=self.max_loras,
             prefill_tokens=self.prefill_tokens + self.remote_prefill_tokens,
             finished_since_snapshot=self.finished_since_snapshot,
             region=self.region,
             kv_events=self.kv_events,
+            clock=self.clock,
         )
 
 
@@ -116,6 +156,7 @@ class ReplicaRegistry:
         self.clock = clock
         self._by_name: dict[str, ReplicaState] = {}
         self._by_pool: dict[str, list[ReplicaState]] = {}
+        self._index: dict[str, PoolIndex] = {}
 
     @staticmethod
     def new_cap(pool: PoolSpec, slo_s: float, clock: Clock) -> AdaptiveCap:
@@ -135,6 +176,7 @@ class ReplicaRegistry:
         slo = min(c.tpot_slo_s for c in fleet.classes.values())
         for pool in fleet.pools.values():
             reg._by_pool.setdefault(pool.name, [])
+            reg._pool_index(pool.name)
             for r in pool.replicas:
                 reg.add(
                     ReplicaState(
@@ -158,13 +200,31 @@ class ReplicaRegistry:
             raise KeyError(f"replica '{state.name}' already exists")
         self._by_name[state.name] = state
         self._by_pool.setdefault(state.pool, []).append(state)
+        state.clock = self.clock
+        index = self._pool_index(state.pool)
+        index.add(state)
+        state.index = index
         return state
 
     def remove(self, name: str) -> ReplicaState:
         state = self._by_name.pop(name)
         state.removed = True
         self._by_pool[state.pool] = [s for s in self._by_pool[state.pool] if s is not state]
+        if state.index is not None:
+            state.index.remove(state)
+            state.index = None
         return state
+
+    def _pool_index(self, pool: str) -> PoolIndex:
+        index = self._index.get(pool)
+        if index is None:
+            index = self._index[pool] = PoolIndex(pool, self.clock.now)
+        return index
+
+    def changed(self, state: ReplicaState) -> None:
+        """Something the setter cannot see changed (the cap's value, the adapters loaded)."""
+        if state.index is not None:
+            state.index.changed(state)
 
     def get(self, name: str) -> ReplicaState | None:
         return self._by_name.get(name)
@@ -183,9 +243,9 @@ class ReplicaRegistry:
 
     # -- what routing and admission read ----------------------------------------------------------
 
-    def views(self, pool: str) -> list[ReplicaView]:
-        now = self.clock.now()
-        return [s.view(now) for s in self._by_pool.get(pool, ())]
+    def views(self, pool: str) -> PoolIndex:
+        """The pool's views, current: those of replicas that changed are rebuilt, no others."""
+        return self._pool_index(pool).refresh()
 
     def over_cap(self, pool: str) -> int:
         return sum(
@@ -216,6 +276,7 @@ class ReplicaRegistry:
             state.adapter_inflight[adapter] += 1
             if adapter in state.adapters:  # LRU touch; loading is the adapter manager's job
                 state.adapters[adapter] = self.clock.now()
+        self.changed(state)  # the cap may have moved
 
     def first_token(self, state: ReplicaState, prompt_tokens: int) -> None:
         """The request's prefill is done: its prompt no longer counts as pending work."""
@@ -244,6 +305,7 @@ class ReplicaRegistry:
             state.cap.observe(tpot_s)
         else:
             state.cap.maybe_decide()
+        self.changed(state)  # the cap may have moved
 
     def update_snapshot(self, name: str, snapshot: LoadSnapshot) -> None:
         state = self._by_name.get(name)

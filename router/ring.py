@@ -18,11 +18,20 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-__all__ = ["BoundedChoice", "HashRing", "bounded_choice", "bounded_cost_choice", "stable_hash"]
+__all__ = [
+    "BoundedChoice",
+    "HashRing",
+    "bounded_choice",
+    "bounded_cost_choice",
+    "load_bound",
+    "stable_hash",
+    "walk_to_fit",
+]
 
 
 def stable_hash(data: bytes) -> int:
@@ -70,6 +79,33 @@ class BoundedChoice:
     walks: int
 
 
+def walk_to_fit(
+    ring: HashRing,
+    key: int,
+    is_candidate: Callable[[str], bool],
+    fits: Callable[[str], bool],
+    prefer: str | None = None,
+) -> tuple[str | None, str | None, int]:
+    """Walk the ring clockwise from ``key`` over the candidates (``prefer`` first, when it is one)
+    and stop at the first that ``fits``: ``(target, home, walks)``, ``target`` ``None`` when none
+    fits. ``home`` is the key's first candidate on the ring; ``walks`` counts those passed over.
+    The walk visits only what it passes, so a decision costs what it walks, not the pool."""
+    candidates = (n for n in ring.walk(key) if is_candidate(n))
+    home = next(candidates, None)
+    order: Iterator[str]
+    if prefer is not None and is_candidate(prefer):
+        rest = itertools.chain((home,) if home is not None else (), candidates)
+        order = itertools.chain((prefer,), (n for n in rest if n != prefer))
+    else:
+        order = itertools.chain((home,) if home is not None else (), candidates)
+    walks = 0
+    for name in order:
+        if fits(name):
+            return name, home, walks
+        walks += 1
+    return None, home, walks
+
+
 def bounded_choice(
     ring: HashRing,
     key: int,
@@ -82,22 +118,16 @@ def bounded_choice(
     the least loaded. Replicas on the ring but not in ``loads`` are skipped silently."""
     if not loads:
         return None
-    n = len(loads)
-    total = sum(loads.values())
-    bound = math.ceil(balance_factor * (total + 1) / n)
-    home: str | None = None
-    walks = 0
-    for name in ring.walk(key):
-        load = loads.get(name)
-        if load is None:
-            continue
-        if home is None:
-            home = name
-        if load + 1 <= bound:
-            return BoundedChoice(name, home, walks)
-        walks += 1
-    least = min(loads, key=lambda r: loads[r])
-    return BoundedChoice(least, home or least, walks)
+    bound = load_bound(sum(loads.values()), len(loads), balance_factor)
+    target, home, walks = walk_to_fit(ring, key, loads.__contains__, lambda n: loads[n] + 1 <= bound)
+    if target is None:
+        target = min(loads, key=lambda r: loads[r])
+    return BoundedChoice(target, home or target, walks)
+
+
+def load_bound(total: float, n: int, balance_factor: float) -> int:
+    """The most requests one of ``n`` replicas may hold, counting a new one: ``ceil(c (total + 1) / n)``."""
+    return math.ceil(balance_factor * (total + 1) / n)
 
 
 def bounded_cost_choice(
@@ -119,14 +149,7 @@ def bounded_cost_choice(
     if not costs:
         return None
     bound = balance_factor * sum(costs.values()) / len(costs)
-    order = [n for n in ring.walk(key) if n in costs]
-    home = order[0] if order else next(iter(costs))
-    if prefer is not None and prefer in costs:
-        order = [prefer, *(n for n in order if n != prefer)]
-    walks = 0
-    for name in order:
-        if costs[name] <= bound:
-            return BoundedChoice(name, home, walks)
-        walks += 1
-    best = min(costs, key=lambda r: costs[r])
-    return BoundedChoice(best, home, walks)
+    target, home, walks = walk_to_fit(ring, key, costs.__contains__, lambda n: costs[n] <= bound, prefer)
+    if target is None:
+        target = min(costs, key=lambda r: costs[r])
+    return BoundedChoice(target, home or next(iter(costs)), walks)

@@ -18,6 +18,7 @@ from replicas.metrics import LoadSnapshot
 
 if TYPE_CHECKING:
     from router.kv_events import ReplicaBlockIndex
+    from tidal.clock import Clock
 
 __all__ = ["CycleState", "ReplicaView", "RouteRequest", "RouteResult", "StateKey"]
 
@@ -32,8 +33,9 @@ class ReplicaView:
     load state (:mod:`router.shared`, at most a staleness bound old), and ``prefill_tokens`` the
     prompt tokens of those requests still waiting for their first token (the prefill work queued
     there);
-    ``snapshot`` is the last scraped ``/metrics`` (``snapshot_age_s`` old), which also carries
-    other gateways' traffic; ``finished_since_snapshot`` counts the requests this gateway has seen
+    ``snapshot`` is the last scraped ``/metrics``, taken at ``snapshot_at`` on ``clock``
+    (``snapshot_age_s`` old now: a view lives until its replica changes, so its age is read, not
+    stored), which also carries other gateways' traffic; ``finished_since_snapshot`` counts the requests this gateway has seen
     end there since that scrape (the snapshot still counts them). ``kv_events`` is the replica's
     exact block index from its KV events (:mod:`router.kv_events`), when it publishes them: a live
     object (the subscriber updates it between decisions, never during one).
@@ -49,13 +51,22 @@ class ReplicaView:
     inflight: int = 0
     cap: int = 64
     snapshot: LoadSnapshot | None = None
-    snapshot_age_s: float = math.inf
+    snapshot_at: float | None = None
     loaded_adapters: frozenset[str] = frozenset()
     max_loras: int = 0
     prefill_tokens: int = 0
     finished_since_snapshot: int = 0
     region: str | None = None  # its pool's region
     kv_events: ReplicaBlockIndex | None = None
+    clock: Clock | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def snapshot_age_s(self) -> float:
+        """Seconds since the snapshot was taken (``inf`` without one; 0 for a view without a clock)."""
+        at = self.snapshot_at
+        if at is None:
+            return math.inf
+        return self.clock.now() - at if self.clock is not None else 0.0
 
     @property
     def load(self) -> float:

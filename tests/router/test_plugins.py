@@ -29,6 +29,9 @@ from router.plugins.scorers.prefix_affinity import PrefixAffinityScorer
 from router.plugins.scorers.queue import QueueScorer
 from router.ring import BoundedChoice
 from router.types import CycleState, ReplicaView, RouteRequest
+from tidal.clock import ManualClock
+
+NOW = 1000.0
 
 
 def v(name: str, **kw: Any) -> ReplicaView:
@@ -39,7 +42,9 @@ def v(name: str, **kw: Any) -> ReplicaView:
             kv_cache_usage=kw.pop("kv", 0.0),
             num_running=kw.pop("running", 0.0),
         )
-        kw.setdefault("snapshot_age_s", 0.5)
+        age = kw.pop("snapshot_age_s", 0.5)
+        kw["snapshot_at"] = NOW - age
+        kw["clock"] = ManualClock(NOW)
     return ReplicaView(name, **kw)
 
 

@@ -113,8 +113,8 @@ def test_a_cold_prompt_evicts_on_the_replica_whose_cache_is_stalest() -> None:
     # Two replicas, both with full caches of 4 blocks; a's tail was used long ago, b's just now.
     idx, scorer = KVIndex(), PrefillCostScorer()
     full = LoadSnapshot(num_gpu_blocks=128, block_size=16, num_running=0.0)
-    a = ReplicaView("a", model="m", snapshot=full, snapshot_age_s=0.0)
-    b = ReplicaView("b", model="m", snapshot=full, snapshot_age_s=0.0)
+    a = ReplicaView("a", model="m", snapshot=full, snapshot_at=0.0)
+    b = ReplicaView("b", model="m", snapshot=full, snapshot_at=0.0)
     idx.after_pick(turn(1, 2, 3, 4), a, st(turn(1, 2, 3, 4), now=0.0))
     idx.after_pick(turn(5, 6, 7, 8), b, st(turn(5, 6, 7, 8), now=90.0))
     new = turn(20, 21, 22)

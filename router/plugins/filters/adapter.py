@@ -26,6 +26,7 @@ TYPE = "adapter-filter"
 class AdapterFilter:
     TYPE: ClassVar[str] = TYPE
     KIND: ClassVar[PluginKind] = "filter"
+    STATIC: ClassVar[bool] = True  # reads the request and what the pool's version covers
 
     def __init__(self, name: str = TYPE) -> None:
         self.name = name

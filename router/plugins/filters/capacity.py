@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from router.framework import PluginKind
 from router.plugins.base import PluginParams, parse_params
+from router.pool import PoolCandidates
 from router.types import CycleState, ReplicaView, RouteRequest
 
 __all__ = ["TYPE", "CapacityFilter"]
@@ -40,3 +41,7 @@ class CapacityFilter:
     ) -> list[ReplicaView]:
         free = [r for r in candidates if r.inflight < r.cap]
         return free or candidates
+
+    def narrow(self, request: RouteRequest, candidates: PoolCandidates, state: CycleState) -> PoolCandidates:
+        cut = candidates.without_full()
+        return cut if len(cut) else candidates

@@ -36,6 +36,8 @@ class HealthyFilter:
     def __init__(self, name: str = TYPE, params: Params | None = None) -> None:
         self.name = name
         self.params = params or Params()
+        # Health is covered by the pool's version; a snapshot's age moves with time.
+        self.STATIC = self.params.max_snapshot_age_s is None
 
     @classmethod
     def from_config(cls, name: str, params: Mapping[str, Any] | None = None) -> HealthyFilter:

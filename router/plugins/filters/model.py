@@ -24,6 +24,7 @@ TYPE = "model-filter"
 class ModelFilter:
     TYPE: ClassVar[str] = TYPE
     KIND: ClassVar[PluginKind] = "filter"
+    STATIC: ClassVar[bool] = True  # reads the request and what the pool's version covers
 
     def __init__(self, name: str = TYPE) -> None:
         self.name = name

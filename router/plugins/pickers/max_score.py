@@ -23,6 +23,7 @@ TYPE = "max-score-picker"
 class MaxScorePicker:
     TYPE: ClassVar[str] = TYPE
     KIND: ClassVar[PluginKind] = "picker"
+    LOCAL: ClassVar[bool] = True  # the best of any subset that holds the best is the best
 
     def __init__(self, name: str = TYPE) -> None:
         self.name = name

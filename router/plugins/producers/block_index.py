@@ -7,7 +7,8 @@ prefix tree). Before the decision they attach to the cycle state, for each candi
 of the request's leading blocks found in its index; after the pick they insert the request's
 blocks into the picked replica's index.
 
-* ``approx-prefix-index`` -- llm-d's approximate prefix producer: an LRU per replica sized to
+* ``approx-prefix-index`` -- llm-d's approximate prefix producer: an LRU per replica
+  (:class:`~router.lru.BlockLRU`, which the garbage collector does not walk) sized to
   the replica's KV cache (``num_gpu_blocks x block_size`` from its scraped
   ``vllm:cache_config_info``, else ``lru_capacity_per_server`` blocks), matching at most
   ``max_prefix_blocks``. Parameters: ``lru_capacity_per_server`` (31250), ``max_prefix_blocks`` (256).
@@ -25,7 +26,6 @@ Config example::
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from router.framework import PluginKind
+from router.lru import BlockLRU
 from router.plugins.base import PluginParams, parse_params
 from router.types import CycleState, ReplicaView, RouteRequest, StateKey
 
@@ -84,7 +85,7 @@ class ApproxPrefixIndex:
     def __init__(self, name: str = INDEX_TYPE, params: IndexParams | None = None) -> None:
         self.name = name
         self.params = params or IndexParams()
-        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._lru: dict[str, BlockLRU] = {}
 
     @classmethod
     def from_config(cls, name: str, params: Mapping[str, Any] | None = None) -> ApproxPrefixIndex:
@@ -104,11 +105,11 @@ class ApproxPrefixIndex:
         blocks = request.prefix_blocks[: self.params.max_prefix_blocks]
         if not blocks:
             return
-        empty: OrderedDict[int, None] = OrderedDict()
+        lrus = self._lru
         state.put(
             INDEX_MATCH,
             {
-                c.name: _leading_matches(self._lru.get(c.name, empty), blocks) / len(blocks)
+                c.name: _leading_matches(lru.held, blocks) / len(blocks) if (lru := lrus.get(c.name)) else 0.0
                 for c in candidates
             },
         )
@@ -117,13 +118,11 @@ class ApproxPrefixIndex:
         blocks = request.prefix_blocks[: self.params.max_prefix_blocks]
         if not blocks:
             return
-        lru = self._lru.setdefault(picked.name, OrderedDict())
-        for b in blocks:
-            lru[b] = None
-            lru.move_to_end(b)
-        cap = self._capacity(picked, request.block_tokens)
-        while len(lru) > cap:
-            lru.popitem(last=False)
+        lru = self._lru.get(picked.name)
+        if lru is None:
+            lru = self._lru[picked.name] = BlockLRU()
+        lru.touch(blocks, state.now)
+        lru.evict_to(self._capacity(picked, request.block_tokens))
 
 
 class TreeParams(PluginParams):

@@ -7,8 +7,18 @@ block hash names its whole prefix) in an LRU the size of the replica's KV cache 
 a replica that takes many long prompts forgets old ones as its engine would. A prompt's blocks
 are touched from last to first, like vLLM frees them: the shared head of a conversation stays
 the most recent, its tail goes first, and what the index holds of any chain is a prefix of it.
-That lets the match be a binary search: ``O(log blocks)`` per candidate, so a decision costs
-``O(replicas x log blocks)``.
+That lets the match be a binary search: ``O(log blocks)`` per candidate. The LRUs are
+:class:`~router.lru.BlockLRU` (nothing the garbage collector walks, however full).
+
+**At pool scale** it nominates the replicas holding the longest runs of the prompt, from an
+inverted index: for the blocks at positions 0, 1, 3, 7, ... (``2^j - 1``) of every prompt sent,
+a bitmask of the replicas holding them; a lookup walks the prompt's levels from the deepest,
+so it costs what the prompt's blocks cost, not what the pool costs; where a level is held by
+more replicas than there are places, the least loaded of them. Where replicas push KV events it
+does the same over their pool-wide holders (:class:`~router.kv_events.BlockHolders`, content key
+-> replicas): a prefix another gateway sent is nominated too. It also nominates the replicas
+that anchor the eviction term: one with room in its cache and those whose least recently used
+blocks are oldest.
 
 Before the decision it attaches :data:`CACHED_TOKENS` -- per candidate, the prompt tokens it
 probably has cached -- and :data:`TAIL_AGE` -- per candidate, the seconds since its least
@@ -34,7 +44,7 @@ Parameters: ``capacity_tokens`` (1,048,576: the KV size assumed before a replica
 ``max_blocks_per_replica`` (524,288: a hard bound on the index's memory whatever a replica
 reports), ``max_prefix_blocks`` (4096: blocks of one prompt matched and indexed),
 ``share_window`` (32), ``max_staleness_s`` (2.0: the bound on the exact index's age),
-``pending_s`` (5.0).
+``pending_s`` (5.0), ``nominees`` (8: prefix holders nominated at pool scale).
 
 Config example::
 
@@ -44,15 +54,19 @@ Config example::
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from pydantic import Field
+from sortedcontainers import SortedList
 
 from router.framework import PluginKind
+from router.kv_events import BlockHolders
+from router.lru import BlockLRU
 from router.plugins.base import PluginParams, parse_params
+from router.pool import Candidates, PoolCandidates
 from router.types import CycleState, ReplicaView, RouteRequest, StateKey
 
 __all__ = [
@@ -78,12 +92,18 @@ class Params(PluginParams):
     share_window: int = Field(default=32, ge=1, le=1 << 20)
     max_staleness_s: float = Field(default=2.0, gt=0.0, le=3600.0)
     pending_s: float = Field(default=5.0, ge=0.0, le=3600.0)
+    nominees: int = Field(default=8, ge=1, le=1024)
 
 
 def leading_run(held: Mapping[int, Any], blocks: Sequence[int]) -> int:
     """How many of ``blocks`` lead the sequence inside ``held``, assuming what is held of the
-    chain is a prefix of it (binary search)."""
-    lo, hi = 0, len(blocks)
+    chain is a prefix of it (binary search; none and all are answered first, in one probe)."""
+    hi = len(blocks)
+    if not hi or blocks[0] not in held:
+        return 0
+    if blocks[-1] in held:
+        return hi
+    lo = 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if blocks[mid - 1] in held:
@@ -113,8 +133,15 @@ class KVIndex:
     def __init__(self, name: str = KV_INDEX_TYPE, params: Params | None = None) -> None:
         self.name = name
         self.params = params or Params()
-        self._lru: dict[str, OrderedDict[int, float]] = {}  # block -> last use, LRU first
+        self._lru: dict[str, BlockLRU] = {}
         self._sent: dict[str, tuple[float, float]] = {}  # moving sums: uncached, prompt tokens
+        # The inverted index: level block -> bitmask of the replicas holding it (bits by _bit).
+        self._holders: dict[int, int] = {}
+        self._bit: dict[str, int] = {}
+        self._names: list[str] = []
+        # Replicas whose cache is full, by the last use of their least recently used block.
+        self._tails = SortedList()
+        self._tail_of: dict[str, float] = {}
 
     @classmethod
     def from_config(cls, name: str, params: Mapping[str, Any] | None = None) -> KVIndex:
@@ -137,22 +164,22 @@ class KVIndex:
         blocks = request.prefix_blocks[: self.params.max_prefix_blocks]
         bt = max(1, request.block_tokens)
         tokens = request.prompt_tokens or len(blocks) * bt
-        empty: OrderedDict[int, float] = OrderedDict()
         cached: dict[str, int] = {}
         tail_age: dict[str, float] = {}
         now = state.now
         engine_keys = request.engine_keys
         exact = 0
         for c in candidates:
-            lru = self._lru.get(c.name, empty)
-            est = min(tokens, leading_run(lru, blocks) * bt) if blocks else 0
+            lru = self._lru.get(c.name)
+            held = lru.held if lru is not None else _EMPTY
+            est = min(tokens, leading_run(held, blocks) * bt) if blocks else 0
             idx = c.kv_events
             if idx is not None and engine_keys is not None and now - idx.as_of <= self.params.max_staleness_s:
                 bs = idx.block_size
                 hit = idx.leading(engine_keys(bs)) * bs if bs and len(idx) else 0
                 if idx.complete:
                     sent = (
-                        min(tokens, recent_run(lru, blocks, now - self.params.pending_s) * bt)
+                        min(tokens, recent_run(held, blocks, now - self.params.pending_s) * bt)
                         if blocks
                         else 0
                     )
@@ -161,10 +188,8 @@ class KVIndex:
                     est = max(hit, est)
                 exact += 1
             cached[c.name] = est
-            if len(lru) < self.capacity(c, bt):
-                tail_age[c.name] = math.inf
-            else:
-                tail_age[c.name] = max(0.0, now - next(iter(lru.values())))
+            oldest = lru.oldest() if lru is not None and len(lru) >= self.capacity(c, bt) else None
+            tail_age[c.name] = math.inf if oldest is None else max(0.0, now - oldest)
         if candidates:
             state.notes["kv_index"] = (
                 "exact" if exact == len(candidates) else "estimate" if exact == 0 else "mixed"
@@ -186,10 +211,147 @@ class KVIndex:
         self._sent[picked.name] = (uncached * keep + (tokens - hit), total * keep + tokens)
         if not blocks:
             return
-        lru = self._lru.setdefault(picked.name, OrderedDict())
-        for b in reversed(blocks):
-            lru[b] = state.now
-            lru.move_to_end(b)
+        name = picked.name
+        lru = self._lru.get(name)
+        if lru is None:
+            lru = self._lru[name] = BlockLRU()
+            self._bit[name] = len(self._names)
+            self._names.append(name)
+        lru.touch(blocks[::-1], state.now)
+        bit = 1 << self._bit[name]
+        holders = self._holders
+        for i in _levels(len(blocks)):
+            b = blocks[i]
+            holders[b] = holders.get(b, 0) | bit
         cap = self.capacity(picked, max(1, request.block_tokens))
-        while len(lru) > cap:
-            lru.popitem(last=False)
+        for b in lru.evict_to(cap):
+            held = holders.get(b)
+            if held is not None and held & bit:
+                held &= ~bit
+                if held:
+                    holders[b] = held
+                else:
+                    del holders[b]
+        tail = lru.oldest() if len(lru) >= cap else None
+        old_tail = self._tail_of.pop(name, None)
+        if old_tail is not None:
+            self._tails.remove((old_tail, name))
+        if tail is not None:
+            self._tail_of[name] = tail
+            self._tails.add((tail, name))
+
+    def nominate(self, request: RouteRequest, candidates: Candidates, state: CycleState) -> Iterable[str]:
+        """The candidates holding the longest runs of the prompt, by the estimate and, where
+        replicas push KV events, by the events (at most ``nominees`` each; where a level's
+        holders are more than the places left, the least loaded of them), the candidates whose
+        cache tails are oldest (as many) and one candidate with room in its cache."""
+        out: list[str] = []
+        blocks = request.prefix_blocks[: self.params.max_prefix_blocks]
+        limit = self.params.nominees
+        self._deepest(blocks, self._holders, self._names, self._bit, limit, candidates, out)
+        exact = self._exact_holders(request, candidates)
+        if exact is not None:
+            holders, keys = exact
+            bits = {n: b for b, n in enumerate(holders.names) if n is not None}
+            self._deepest(keys, holders.masks, holders.names, bits, len(out) + limit, candidates, out)
+        tails = 0
+        for _, name in self._tails:  # the oldest tails among the candidates
+            if tails >= limit:
+                break
+            if name in candidates:
+                out.append(name)
+                tails += 1
+        if isinstance(candidates, PoolCandidates) and len(self._tail_of) > 0:
+            for v in candidates.pool.least_loaded():  # one with room: no tail entry
+                if v.name not in self._tail_of and v.name in candidates:
+                    out.append(v.name)
+                    break
+        return out
+
+    @staticmethod
+    def _exact_holders(
+        request: RouteRequest, candidates: Candidates
+    ) -> tuple[BlockHolders, Sequence[int]] | None:
+        """The KV events' pool-wide holders and the prompt's keys in their block size, where the
+        pool's replicas push events and the prompt could be tokenised."""
+        if request.engine_keys is None or not isinstance(candidates, PoolCandidates):
+            return None
+        for v in candidates.pool:  # the first replica with a subscription speaks for the pool
+            idx = v.kv_events
+            if idx is not None and idx.holders is not None and idx.block_size:
+                return idx.holders, request.engine_keys(idx.block_size)
+        return None
+
+    def _deepest(
+        self,
+        keys: Sequence[int],
+        masks: Mapping[int, int],
+        names: Sequence[str | None],
+        bits: Mapping[str, int],
+        limit: int,
+        candidates: Candidates,
+        out: list[str],
+    ) -> None:
+        """Appends to ``out`` (up to ``limit`` in all) the candidates holding the longest runs of
+        ``keys``, by ``masks`` (key at a level position -> bits of its holders)."""
+        taken = 0
+        for n in out:
+            b = bits.get(n)
+            if b is not None:
+                taken |= 1 << b
+        for i in reversed(_levels(len(keys))):
+            held = masks.get(keys[i], 0) & ~taken
+            if held:
+                for name in _least_loaded_of(held, limit - len(out), candidates, names, bits):
+                    out.append(name)
+                    taken |= 1 << bits[name]
+                if len(out) >= limit:
+                    return
+
+
+_SPARSE = 16  # holders of one block under 1/_SPARSE of the pool are sorted by load; more, walked to
+
+
+def _least_loaded_of(
+    held: int, k: int, candidates: Candidates, names: Sequence[str | None], bits: Mapping[str, int]
+) -> list[str]:
+    """Up to ``k`` candidates among the replicas whose bits are set in ``held``, least loaded
+    first. Holders that are a large share of the pool are met early walking the pool's load
+    order; fewer are listed and sorted. Either way about ``pool / _SPARSE`` steps at most."""
+    count = held.bit_count()
+    if isinstance(candidates, PoolCandidates) and count * _SPARSE > len(candidates.pool):
+        out: list[str] = []
+        for v in candidates.pool.least_loaded():
+            b = bits.get(v.name)
+            if b is not None and held >> b & 1 and v.name in candidates:
+                out.append(v.name)
+                if len(out) >= k:
+                    break
+        return out
+    found: list[str] = []
+    while held:
+        low = held & -held
+        name = names[low.bit_length() - 1]
+        if name is not None and name in candidates:
+            found.append(name)
+        held ^= low
+    if len(found) <= k:
+        return found
+    if isinstance(candidates, PoolCandidates):
+        return heapq.nsmallest(k, found, key=candidates.pool.order_key)
+    views = [w for n in found if (w := candidates.view(n)) is not None]
+    views.sort(key=lambda w: (w.load, w.prefill_tokens, w.name))
+    return [w.name for w in views[:k]]
+
+
+_EMPTY: dict[int, float] = {}
+
+
+def _levels(n: int) -> list[int]:
+    """The positions of a prompt's blocks that the inverted index keeps: 0, 1, 3, 7, ... < ``n``."""
+    out: list[int] = []
+    i = 1
+    while i <= n:
+        out.append(i - 1)
+        i <<= 1
+    return out

@@ -36,16 +36,16 @@ Config example::
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from router.framework import PluginKind
 from router.plugins.base import PluginParams, parse_params
-from router.ring import BoundedChoice, HashRing, bounded_choice, bounded_cost_choice, stable_hash
+from router.pool import CANDIDATES, Candidates, ViewCandidates
+from router.ring import BoundedChoice, HashRing, load_bound, stable_hash, walk_to_fit
 from router.types import CycleState, ReplicaView, RouteRequest, StateKey
 
 __all__ = ["PREFIX_CHOICE", "PREFIX_TYPE", "SESSION_CHOICE", "SESSION_TYPE", "PrefixRing", "SessionRing"]
@@ -77,22 +77,26 @@ class _Ring:
         self.name = name
         self.params = params or Params()
         self._ring = HashRing((), self.params.virtual_nodes)
-        self._ring_names: tuple[str, ...] = ()
-        # key -> (replica, when): where the key's prefix was last sent, so that a key that had
-        # to leave its ring position (home over the bound or full) is followed by its next turn.
-        self._memory: OrderedDict[int, dict[str, tuple[int, float]]] = OrderedDict()
+        self._ring_key: Hashable = ()
+        # key -> ((replica, tokens sent, when), ...): where the key's prefix was last sent, so that
+        # a key that had to leave its ring position (home over the bound or full) is followed by
+        # its next turn.
+        self._memory: OrderedDict[int, tuple[tuple[str, int, float], ...]] = OrderedDict()
 
     def _key(self, request: RouteRequest) -> int | None:
         raise NotImplementedError
 
-    def _ring_for(self, replicas: Sequence[ReplicaView]) -> HashRing:
-        names = tuple(r.name for r in replicas)
-        if names != self._ring_names:
+    def _ring_for(self, candidates: Candidates) -> HashRing:
+        if candidates.ring_key != self._ring_key:
             # The ring covers the whole pool, not just today's candidates, so a replica filtered
             # out for a moment does not move every other key.
-            self._ring = HashRing(names, self.params.virtual_nodes)
-            self._ring_names = names
+            self._ring = HashRing(candidates.pool_names(), self.params.virtual_nodes)
+            self._ring_key = candidates.ring_key
         return self._ring
+
+    def nominate(self, request: RouteRequest, candidates: Candidates, state: CycleState) -> tuple[str, ...]:
+        choice = self._choose(request, candidates, state)
+        return () if choice is None else (choice.target, choice.home)
 
     def produce(
         self,
@@ -101,34 +105,68 @@ class _Ring:
         candidates: Sequence[ReplicaView],
         state: CycleState,
     ) -> None:
+        if state.get(self._KEY) is None and candidates:
+            pool = state.get(CANDIDATES)
+            if pool is None:
+                pool = ViewCandidates(candidates, replicas)
+                state.put(CANDIDATES, pool)
+            self._choose(request, pool, state)
+
+    def _choose(
+        self, request: RouteRequest, candidates: Candidates, state: CycleState
+    ) -> BoundedChoice | None:
+        """Walk the ring from the request's key over ``candidates`` (every replica that passed the
+        filters, which the walk visits only as far as it goes) and put the choice in the state."""
         key = self._key(request)
-        if key is None or not candidates:
-            return
-        ring = self._ring_for(replicas)
+        n = len(candidates)
+        if key is None or not n:
+            return None
+        ring = self._ring_for(candidates)
         seen = {
             name: (sent, when)
-            for name, (sent, when) in self._memory.get(key, {}).items()
+            for name, sent, when in self._memory.get(key, ())
             if state.now - when <= self.params.follow_ttl_s
         }
         prefer = max(seen, key=lambda n: seen[n][1]) if seen else None  # the latest turn's replica
         tokens = request.prompt_tokens
+        view = candidates.view
+        choice: BoundedChoice | None
         if tokens > 0:
             # Work in prefill tokens: those queued on the replica plus this prompt's tokens not
             # cached there (what the key sent to a replica is assumed still cached there).
-            costs = {
-                c.name: c.prefill_tokens + tokens - min(tokens, seen.get(c.name, (0, 0.0))[0])
-                for c in candidates
-            }
-            choice = bounded_cost_choice(ring, key, costs, self.params.balance_factor, prefer)
+            def cost(name: str) -> float:
+                v = view(name)
+                assert v is not None
+                return v.prefill_tokens + tokens - min(tokens, seen.get(name, (0, 0.0))[0])
+
+            total = candidates.total_prefill() + n * tokens
+            total -= sum(min(tokens, sent) for name, (sent, _) in seen.items() if name in candidates)
+            bound = self.params.balance_factor * total / n
+            target, home, walks = walk_to_fit(
+                ring, key, candidates.__contains__, lambda name: cost(name) <= bound, prefer
+            )
+            if target is None:  # not reached: the cheapest candidate is within the mean
+                target = min(self._every(candidates), key=cost)
+            choice = BoundedChoice(target, home or target, walks)
         else:
-            loads = {c.name: c.load for c in candidates}
-            choice = bounded_choice(ring, key, loads, self.params.balance_factor)
-            if choice is not None and prefer is not None and prefer != choice.target and prefer in loads:
-                bound = math.ceil(self.params.balance_factor * (sum(loads.values()) + 1) / len(loads))
-                if loads[prefer] + 1 <= bound:
-                    choice = BoundedChoice(prefer, choice.home, 0)
-        if choice is not None:
-            state.put(self._KEY, choice)
+            bound_n = load_bound(candidates.total_load(), n, self.params.balance_factor)
+
+            def fits(name: str) -> bool:
+                v = view(name)
+                return v is not None and v.load + 1 <= bound_n
+
+            target, home, walks = walk_to_fit(ring, key, candidates.__contains__, fits)
+            if target is None:
+                target = min(self._every(candidates), key=lambda name: view(name).load)  # type: ignore[union-attr]
+            choice = BoundedChoice(target, home or target, walks)
+            if prefer is not None and prefer != choice.target and fits(prefer):
+                choice = BoundedChoice(prefer, choice.home, 0)
+        state.put(self._KEY, choice)
+        return choice
+
+    @staticmethod
+    def _every(candidates: Candidates) -> list[str]:
+        return [n for n in candidates.pool_names() if n in candidates]
 
     def after_pick(self, request: RouteRequest, picked: ReplicaView, state: CycleState) -> None:
         choice = state.get(self._KEY)
@@ -144,14 +182,16 @@ class _Ring:
         else:
             state.notes[self._NOTE] = "miss"
         if key is not None and self.params.follow_memory:
-            places = self._memory.pop(key, {})
+            places = {name: (sent, when) for name, sent, when in self._memory.pop(key, ())}
             places[picked.name] = (
                 max(request.prompt_tokens, places.get(picked.name, (0, 0.0))[0]),
                 state.now,
             )
             if len(places) > _PLACES_PER_KEY:
                 del places[min(places, key=lambda n: places[n][1])]
-            self._memory[key] = places
+            # Tuples of strings and numbers, which the collector stops tracking: a full memory
+            # costs a full collection one visit per key, not five objects.
+            self._memory[key] = tuple((name, sent, when) for name, (sent, when) in places.items())
             if len(self._memory) > self.params.follow_memory:
                 self._memory.popitem(last=False)
 

@@ -40,6 +40,7 @@ class Params(PluginParams):
 class LoadScorer:
     TYPE: ClassVar[str] = TYPE
     KIND: ClassVar[PluginKind] = "scorer"
+    LOCAL: ClassVar[bool] = True  # a replica from its own view
     CONSUMES: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, name: str = TYPE, params: Params | None = None) -> None:

@@ -18,14 +18,15 @@ Config example::
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from router.framework import PluginKind
 from router.plugins.base import PluginParams, parse_params
+from router.pool import CANDIDATES, Candidates, PoolCandidates
+from router.ring import load_bound
 from router.types import CycleState, ReplicaView, RouteRequest
 
 __all__ = ["TYPE", "LoraAffinityScorer"]
@@ -40,6 +41,7 @@ class Params(PluginParams):
 class LoraAffinityScorer:
     TYPE: ClassVar[str] = TYPE
     KIND: ClassVar[PluginKind] = "scorer"
+    LOCAL: ClassVar[bool] = True  # the bound is over every candidate
     CONSUMES: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, name: str = TYPE, params: Params | None = None) -> None:
@@ -50,14 +52,27 @@ class LoraAffinityScorer:
     def from_config(cls, name: str, params: Mapping[str, Any] | None = None) -> LoraAffinityScorer:
         return cls(name, parse_params(Params, TYPE, name, params))
 
+    def nominate(self, request: RouteRequest, candidates: Candidates, state: CycleState) -> Iterable[str]:
+        """The replicas holding the request's adapter."""
+        adapter = request.adapter
+        if adapter is None or not isinstance(candidates, PoolCandidates):
+            return ()
+        pool = candidates.pool
+        return pool.memo(
+            (self.TYPE, adapter), lambda: frozenset(v.name for v in pool if adapter in v.loaded_adapters)
+        )
+
     def score(
         self, request: RouteRequest, candidates: Sequence[ReplicaView], state: CycleState
     ) -> dict[str, float]:
         adapter = request.adapter
         if adapter is None or not candidates:
             return {}
-        total = sum(c.load for c in candidates)
-        bound = math.ceil(self.params.balance_factor * (total + 1) / len(candidates))
+        every = state.get(CANDIDATES)  # every candidate, when only some are scored
+        if every is not None:
+            bound = load_bound(every.total_load(), len(every), self.params.balance_factor)
+        else:
+            bound = load_bound(sum(c.load for c in candidates), len(candidates), self.params.balance_factor)
         scores: dict[str, float] = {}
         for c in candidates:
             if adapter in c.loaded_adapters:

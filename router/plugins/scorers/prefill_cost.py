@@ -83,6 +83,7 @@ def prefill_costs(
 class PrefillCostScorer:
     TYPE: ClassVar[str] = TYPE
     KIND: ClassVar[PluginKind] = "scorer"
+    LOCAL: ClassVar[bool] = True  # but its range is the scored candidates'
     CONSUMES: ClassVar[tuple[str, ...]] = (KV_INDEX_TYPE,)
 
     def __init__(self, name: str = TYPE, params: Params | None = None) -> None:

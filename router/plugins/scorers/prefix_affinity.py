@@ -30,6 +30,7 @@ TYPE = "prefix-affinity-scorer"
 class PrefixAffinityScorer:
     TYPE: ClassVar[str] = TYPE
     KIND: ClassVar[PluginKind] = "scorer"
+    LOCAL: ClassVar[bool] = True  # the ring walked every candidate
     CONSUMES: ClassVar[tuple[str, ...]] = (PREFIX_TYPE,)
 
     def __init__(self, name: str = TYPE) -> None:

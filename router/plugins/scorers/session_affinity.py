@@ -28,6 +28,7 @@ TYPE = "session-affinity-scorer"
 class SessionAffinityScorer:
     TYPE: ClassVar[str] = TYPE
     KIND: ClassVar[PluginKind] = "scorer"
+    LOCAL: ClassVar[bool] = True  # the ring walked every candidate
     CONSUMES: ClassVar[tuple[str, ...]] = (SESSION_TYPE,)
 
     def __init__(self, name: str = TYPE) -> None:

@@ -1,0 +1,328 @@
+"""A pool's replicas as the router reads them, kept current as their state changes.
+
+The registry keeps one :class:`PoolIndex` per pool. It holds a :class:`~router.types.ReplicaView`
+per replica and rebuilds a view only when that replica's state changed (a request started or
+ended, a scrape, a health or admin change: :class:`~router.registry.ReplicaState` reports every
+write), so a decision never rebuilds the pool. It also keeps what lets a profile decide without
+visiting every replica (:meth:`router.framework.Profile.run` at pool scale):
+
+* the replicas in load order (in-flight requests, then queued prefill tokens), so the least
+  loaded come first without a scan;
+* the names of replicas at their in-flight cap, and the pool's totals of load and prefill tokens,
+  so a ring's bound is the same mean as over every candidate;
+* ``version``, which moves when anything the filters read changes (health, weights, groups,
+  adapters, membership) and not when load does: filter results are cached under it
+  (:meth:`memo`).
+
+:class:`Candidates` is one decision's candidate set, either a plain list of views (small pools,
+tests) or a pool's filtered members named by sets (pool scale); ring producers walk it and read
+its totals, the same code in both cases.
+
+Example::
+
+    pool = registry.views("interactive")        # a PoolIndex: a sequence of views
+    pool.refresh()                               # rebuilds what changed since the last decision
+    [v.name for v in itertools.islice(pool.least_loaded(), 4)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+from sortedcontainers import SortedList
+
+from router.types import ReplicaView, StateKey
+
+if TYPE_CHECKING:
+    from router.registry import ReplicaState
+
+__all__ = ["CANDIDATES", "Candidates", "PoolCandidates", "PoolIndex", "ViewCandidates"]
+
+T = TypeVar("T")
+
+_MEMO_MAX = 256  # filter results kept per version (distinct models, adapters, regions)
+
+
+def _membership(v: ReplicaView) -> tuple[Any, ...]:
+    """What filters read of a view, other than load."""
+    return (v.healthy, v.draining, v.weight, v.group, v.model, v.region, v.max_loras, v.loaded_adapters)
+
+
+def _order_key(v: ReplicaView) -> tuple[float, int, str]:
+    return (v.load, v.prefill_tokens, v.name)
+
+
+class PoolIndex(Sequence[ReplicaView]):
+    """The views of one pool's replicas, rebuilt per replica on change (see the module doc)."""
+
+    def __init__(self, name: str, now: Callable[[], float]) -> None:
+        self.name = name
+        self._now = now
+        self._states: list[ReplicaState] = []
+        self._views: list[ReplicaView] = []
+        self._slot: dict[str, int] = {}
+        self._dirty: set[int] = set()  # slots whose state changed since their view was built
+        self._order: SortedList = SortedList()
+        self._counted: dict[str, tuple[float, int, str]] = {}
+        self.full: set[str] = set()  # at or over their in-flight cap
+        self.prefill_total = 0
+        self.load_total = 0.0
+        self.version = 0  # what filters read (see _membership), or who is in the pool, changed
+        self.names_version = 0  # who is in the pool changed
+        self._memo: dict[Hashable, Any] = {}
+        self._memo_version = -1
+
+    # -- membership (the registry) ------------------------------------------------------------------
+
+    def add(self, state: ReplicaState) -> None:
+        self._slot[state.name] = len(self._states)
+        self._states.append(state)
+        view = state.view()
+        self._views.append(view)
+        self._account(None, view)
+        self.version += 1
+        self.names_version += 1
+
+    def remove(self, state: ReplicaState) -> None:
+        slot = self._slot.pop(state.name)
+        self._account(self._views[slot], None)
+        self._dirty.discard(slot)
+        last = len(self._states) - 1
+        if slot != last:  # the last one moves into the hole
+            moved = self._states[last]
+            self._states[slot] = moved
+            self._views[slot] = self._views[last]
+            self._slot[moved.name] = slot
+            if last in self._dirty:
+                self._dirty.discard(last)
+                self._dirty.add(slot)
+        self._states.pop()
+        self._views.pop()
+        self.version += 1
+        self.names_version += 1
+
+    def changed(self, state: ReplicaState) -> None:
+        """``state`` was written: its view is rebuilt at the next :meth:`refresh`."""
+        slot = self._slot.get(state.name)
+        if slot is not None and self._states[slot] is state:
+            self._dirty.add(slot)
+
+    def refresh(self) -> PoolIndex:
+        """Rebuild the views of the replicas that changed; returns ``self``."""
+        if self._dirty:
+            dirty, self._dirty = self._dirty, set()
+            for slot in dirty:
+                old = self._views[slot]
+                new = self._states[slot].view()
+                self._views[slot] = new
+                self._account(old, new)
+                if _membership(old) != _membership(new):
+                    self.version += 1
+        return self
+
+    def _account(self, old: ReplicaView | None, new: ReplicaView | None) -> None:
+        # What was counted is kept: a view's load can change with time (a snapshot going stale).
+        if old is not None:
+            key = self._counted.pop(old.name)
+            self._order.remove(key)
+            self.load_total -= key[0]
+            self.prefill_total -= key[1]
+            self.full.discard(old.name)
+        if new is not None:
+            key = _order_key(new)
+            self._counted[new.name] = key
+            self._order.add(key)
+            self.load_total += key[0]
+            self.prefill_total += key[1]
+            if new.inflight >= new.cap:
+                self.full.add(new.name)
+
+    # -- reading (the router) -----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    @overload
+    def __getitem__(self, i: int) -> ReplicaView: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[ReplicaView]: ...
+
+    def __getitem__(self, i: int | slice) -> ReplicaView | Sequence[ReplicaView]:
+        return self._views[i]
+
+    def __iter__(self) -> Iterator[ReplicaView]:
+        return iter(self._views)
+
+    def view(self, name: str) -> ReplicaView | None:
+        slot = self._slot.get(name)
+        return self._views[slot] if slot is not None else None
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._slot)
+
+    def order_key(self, name: str) -> tuple[float, int, str]:
+        """Where ``name`` stands in :meth:`least_loaded` (load, queued prefill tokens, name) as
+        last counted."""
+        return self._counted[name]
+
+    def least_loaded(self) -> Iterator[ReplicaView]:
+        """Every replica, least loaded first (fewest requests, then fewest queued prefill tokens)."""
+        views, slot = self._views, self._slot
+        for _, _, name in self._order:
+            yield views[slot[name]]
+
+    def most_loaded(self) -> Iterator[ReplicaView]:
+        views, slot = self._views, self._slot
+        for _, _, name in reversed(self._order):
+            yield views[slot[name]]
+
+    def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()``, cached until :attr:`version` moves (for results that depend only on what
+        filters read)."""
+        if self._memo_version != self.version:
+            self._memo.clear()
+            self._memo_version = self.version
+        try:
+            value: T = self._memo[key]
+        except KeyError:
+            if len(self._memo) >= _MEMO_MAX:
+                self._memo.clear()
+            value = self._memo[key] = compute()
+        return value
+
+
+# -- one decision's candidates ----------------------------------------------------------------------
+
+
+class Candidates:
+    """The replicas that passed a decision's filters, without listing them.
+
+    ``ring_key`` and :meth:`pool_names` name the whole pool (a hash ring covers every replica,
+    candidates or not, so a replica filtered out for a moment does not move other keys).
+    """
+
+    ring_key: Hashable
+
+    def __contains__(self, name: object) -> bool:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def view(self, name: str) -> ReplicaView | None:
+        """The candidate's view; ``None`` when ``name`` is not a candidate."""
+        raise NotImplementedError
+
+    def total_prefill(self) -> float:
+        raise NotImplementedError
+
+    def total_load(self) -> float:
+        raise NotImplementedError
+
+    def pool_names(self) -> Iterable[str]:
+        raise NotImplementedError
+
+
+class ViewCandidates(Candidates):
+    """Candidates given as a list of views (every decision below pool scale)."""
+
+    def __init__(self, candidates: Sequence[ReplicaView], replicas: Sequence[ReplicaView]) -> None:
+        self._by_name = {c.name: c for c in candidates}
+        self._replicas = replicas
+        if isinstance(replicas, PoolIndex):
+            self.ring_key: Hashable = (id(replicas), replicas.names_version)
+        else:
+            self.ring_key = tuple(r.name for r in replicas)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def view(self, name: str) -> ReplicaView | None:
+        return self._by_name.get(name)
+
+    def total_prefill(self) -> float:
+        return sum(c.prefill_tokens for c in self._by_name.values())
+
+    def total_load(self) -> float:
+        return sum(c.load for c in self._by_name.values())
+
+    def pool_names(self) -> Iterable[str]:
+        return (r.name for r in self._replicas)
+
+
+class PoolCandidates(Candidates):
+    """A pool's members that passed the filters (``members``, from a cache), less those at their
+    cap when ``skip_full`` (the capacity filter), less ``exclude`` (replicas already tried)."""
+
+    def __init__(
+        self,
+        pool: PoolIndex,
+        members: frozenset[str],
+        outsiders: frozenset[str],
+        *,
+        exclude: frozenset[str] = frozenset(),
+        skip_full: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.members = members
+        self.outsiders = outsiders  # the pool's replicas that are not members
+        self.exclude = exclude
+        self.skip_full = skip_full
+        out = exclude | pool.full if skip_full else exclude
+        self._out = out & members if out else out
+        self.ring_key = (id(pool), pool.names_version)
+
+    def narrowed(self, members: frozenset[str], outsiders: frozenset[str]) -> PoolCandidates:
+        """The same cut (exclusions, full replicas) of other members."""
+        return PoolCandidates(self.pool, members, outsiders, exclude=self.exclude, skip_full=self.skip_full)
+
+    def without_full(self) -> PoolCandidates:
+        """Less the replicas at their in-flight cap."""
+        return PoolCandidates(self.pool, self.members, self.outsiders, exclude=self.exclude, skip_full=True)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.members and name not in self._out
+
+    def __len__(self) -> int:
+        return len(self.members) - len(self._out)
+
+    def view(self, name: str) -> ReplicaView | None:
+        return self.pool.view(name) if name in self else None
+
+    def _total(self, field: Callable[[ReplicaView], float], pool_total: float) -> float:
+        pool = self.pool
+        if len(self.members) * 2 <= len(pool):
+            return sum(field(v) for n in self.members if n not in self._out and (v := pool.view(n)))
+        away = self.outsiders | self._out
+        return pool_total - sum(field(v) for n in away if (v := pool.view(n)))
+
+    def total_prefill(self) -> float:
+        return self._total(lambda v: v.prefill_tokens, self.pool.prefill_total)
+
+    def total_load(self) -> float:
+        return self._total(lambda v: v.load, self.pool.load_total)
+
+    def pool_names(self) -> Iterable[str]:
+        return self.pool.names()
+
+    def least_loaded(self, k: int) -> list[ReplicaView]:
+        """The ``k`` least loaded candidates."""
+        out: list[ReplicaView] = []
+        if len(self) <= 4 * k:
+            views = [v for n in self.members if n not in self._out and (v := self.pool.view(n))]
+            views.sort(key=_order_key)
+            return views[:k]
+        for v in self.pool.least_loaded():
+            if v.name in self:
+                out.append(v)
+                if len(out) >= k:
+                    break
+        return out
+
+
+CANDIDATES: StateKey[Candidates] = StateKey("candidates")

@@ -1,0 +1,38 @@
+"""The router-scale benchmark on tiny pools: one row per pool size and built-in profile, with
+the contract's columns and finite, positive timings; a fill stopped by the memory guard says so."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from bench.router_scale import run
+from router.profiles import BUILTIN_PROFILES
+
+CONTRACT = {"profile", "replicas", "decision_p50_us", "decision_p99_us", "gc_pause_max_ms"}
+
+
+def test_every_profile_on_every_pool_size_gives_finite_positive_figures(tmp_path: Path) -> None:
+    rows = run(quick=True, out_dir=tmp_path, replicas="8,32", decisions=300, fill=200)
+    assert [(r["replicas"], r["profile"]) for r in rows] == [
+        (n, p) for n in (8, 32) for p in BUILTIN_PROFILES
+    ]
+    for r in rows:
+        assert set(r) >= CONTRACT | {"decisions", "blocks_per_replica", "gc_collections", "vs_round_robin"}
+        assert r["decisions"] == 300 and r["unrouted"] == 0
+        assert 0 < r["decision_p50_us"] <= r["decision_p99_us"] <= r["decision_max_us"]
+        assert math.isfinite(r["decision_p99_us"]) and math.isfinite(r["vs_round_robin"])
+        assert r["vs_round_robin"] > 0 and r["gc_pause_max_ms"] >= 0 and r["gc_full_ms"] > 0
+        # Profiles with an index had it filled to what was asked; the others have none.
+        assert r["blocks_per_replica"] == (200 if r["indexes"] else 0)
+        assert r["blocks_target"] > 200  # a replica's KV capacity in 16-token blocks
+    assert {r["vs_round_robin"] for r in rows if r["profile"] == "round_robin"} == {1.0}
+
+
+def test_the_memory_guard_stops_the_fill_and_the_rows_say_how_far_it_got(tmp_path: Path) -> None:
+    rows = run(quick=True, out_dir=tmp_path, replicas="8", profiles="tidal", decisions=50, max_rss_gb=0.001)
+    # Round robin is always measured: it is the baseline of vs_round_robin.
+    assert [r["profile"] for r in rows] == ["tidal", "round_robin"]
+    tidal = rows[0]
+    assert tidal["blocks_per_replica"] == 0 < tidal["blocks_target"]
+    assert tidal["decision_p50_us"] > 0

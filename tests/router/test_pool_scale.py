@@ -1,0 +1,184 @@
+"""Routing at pool scale decides on nominees; these tests pin that it decides as the full scan
+would. The pool, its load and its prompts are the router-scale benchmark's (simulated engines'
+scrapes, chat prompts keyed as the gateway keys them)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+from prometheus_client import CollectorRegistry
+
+from bench import router_scale as rs
+from bench.routing import bench_fleet
+from replicas.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from router.kv_events import BlockHolders, PromptKeys, ReplicaBlockIndex
+from router.loader import build_router
+from router.metrics import RouterMetrics
+from router.pool import PoolIndex
+from router.profiles import BUILTIN_PROFILES
+from router.registry import ReplicaRegistry
+from router.types import RouteRequest
+from tidal.clock import ManualClock
+
+
+def _agreement(replicas: int, requests: int, seed: int) -> dict[str, float]:
+    """Routes a stream of chat requests through the ``tidal`` profile of a pool of ``replicas``,
+    each decision twice on the same state: the full scan (its producers' after-pick hooks muted,
+    the tie-break RNG rewound) and the nominees' decision that the stream then follows."""
+    clock = ManualClock()
+    fleet = bench_fleet(replicas)
+    registry = ReplicaRegistry.from_fleet(fleet, clock)
+    router = build_router(fleet.router, clock=clock, seed=seed, observer=RouterMetrics(CollectorRegistry()))
+    rng = random.Random(seed)
+    states = registry.in_pool(rs.POOL)
+    profile = router.profiles["tidal"]
+    assert profile.narrows()
+    same = nominated = 0
+    regrets: list[float] = []
+    running = []
+    for i, request in enumerate(rs._requests(bench_fleet(1), requests, seed)):
+        clock.advance(0.01)
+        if i % 50 == 0:
+            rs._scrape(registry, states, rng)
+        views = registry.views(rs.POOL)
+        assert isinstance(views, PoolIndex) and len(views) > profile.narrow_above
+        rewind = router.rng.getstate()
+        hooks = [(p, p.after_pick) for p in profile.producers]
+        for p, _ in hooks:
+            p.after_pick = lambda *_a, **_k: None  # type: ignore[method-assign]
+        profile.narrow_above, narrow_above = 1 << 30, profile.narrow_above
+        try:
+            full = router.route(request, views, profile="tidal")
+        finally:
+            profile.narrow_above = narrow_above
+            for p, hook in hooks:
+                p.after_pick = hook  # type: ignore[method-assign]
+        router.rng.setstate(rewind)
+        got = router.route(request, views, profile="tidal")
+        assert full is not None and got is not None
+        winner = full.replica.name
+        same += got.replica.name == winner
+        nominated += winner in got.scores
+        # what the nominees' pick loses by the full scan's own scores (total weight 23.25)
+        regrets.append(full.scores[winner] - full.scores[got.replica.name])
+        state = registry.get(got.replica.name)
+        assert state is not None
+        registry.acquire(state, None, request.prompt_tokens)
+        running.append(state)
+        if len(running) > 4 * replicas:
+            registry.release(running.pop(0), tpot_s=0.03)
+    regrets.sort()
+    return {
+        "same": same / requests,
+        "nominated": nominated / requests,
+        "regret_p99": regrets[int(0.99 * len(regrets))],
+        "regret_max": regrets[-1],
+    }
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_nominees_decide_as_the_full_scan_would(seed: int) -> None:
+    # Given a pool of 160 replicas (above narrow_above) and a stream of growing conversations,
+    facts = _agreement(replicas=160, requests=500, seed=seed)
+    print(facts)
+    # Then the full scan's winner is nearly always among the nominees and picked,
+    assert facts["nominated"] >= 0.93 and facts["same"] >= 0.9, facts
+    # and where it is not, the pick's score by the full scan is within a fraction of one
+    # weight point of the winner's (prefill cost normalises over the candidates it scores).
+    assert facts["regret_p99"] <= 0.5 and facts["regret_max"] <= 1.0, facts
+
+
+def test_only_profiles_whose_plugins_allow_it_decide_on_nominees() -> None:
+    clock = ManualClock()
+    router = build_router(bench_fleet(8).router, clock=clock, seed=0)
+    narrowing = {name for name in BUILTIN_PROFILES if router.profiles[name].narrows()}
+    # The anchors keep their own algorithms over every candidate.
+    assert narrowing == {"tidal"}
+
+
+# -- the KV events' pool-wide holders ---------------------------------------------------------------
+
+
+def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> BlockStored:
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        lora_id=None,
+        lora_name=None,
+        medium="GPU",
+        block_size=4,
+    )
+
+
+def _apply(idx: ReplicaBlockIndex, *events: object) -> None:
+    idx.apply(KVEventBatch(0.0, list(events), 0))  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["store", "remove", "clear"]), st.integers(0, 5)))
+)
+def test_the_holders_are_the_union_of_the_replicas_indexes(ops: list[tuple[int, str, int]]) -> None:
+    # Given three replicas' indexes sharing one holders map,
+    holders = BlockHolders()
+    indexes = []
+    for name in ("a", "b", "c"):
+        idx = ReplicaBlockIndex()
+        idx.reset(complete=True)
+        idx.share(holders, holders.bit(name))
+        indexes.append(idx)
+    # whatever their events (chains of 1-6 blocks stored twice over, removed, cleared),
+    for replica, op, n in ops:
+        idx = indexes[replica]
+        if op == "store":
+            _apply(idx, _stored(list(range(10, 11 + n)), None, list(range(4 * (n + 1)))))
+        elif op == "remove":
+            _apply(idx, BlockRemoved(block_hashes=[10 + n], medium="GPU"))
+        else:
+            _apply(idx, AllBlocksCleared())
+        # the holders of each block are exactly the replicas whose index counts it.
+        expected: dict[int, int] = {}
+        for bit, i in enumerate(indexes):
+            for key in i._count:
+                expected[key] = expected.get(key, 0) | 1 << bit
+        assert holders.masks == expected
+
+
+def test_at_pool_scale_a_prompt_goes_where_the_events_say_its_prefix_is() -> None:
+    # Given a pool of 100 replicas whose KV events this gateway follows, one of them (by the
+    # events only: another gateway sent the prompt there) holding a long prompt's first blocks,
+    clock = ManualClock(10.0)
+    fleet = bench_fleet(100)
+    registry = ReplicaRegistry.from_fleet(fleet, clock)
+    router = build_router(fleet.router, clock=clock, seed=0)
+    holders = BlockHolders()
+    states = registry.in_pool(rs.POOL)
+    for s in states:
+        idx = ReplicaBlockIndex()
+        idx.reset(complete=True)
+        idx.share(holders, holders.bit(s.name))
+        idx.synced(10.0)
+        s.kv_events = idx
+        registry.changed(s)
+    prompt = list(range(1, 4 * 64 + 1))
+    keys = PromptKeys(lambda: prompt)
+    holder = states[57]
+    assert holder.kv_events is not None
+    _apply(holder.kv_events, _stored(list(range(1000, 1048)), None, prompt[: 4 * 48]))
+    # and every replica a little busy but the holder busier than most,
+    for i, s in enumerate(states):
+        for _ in range(1 + (i == 57)):
+            registry.acquire(s, None, 100)
+    request = RouteRequest(
+        fleet.pools[rs.POOL].model, block_tokens=4, prompt_tokens=len(prompt), engine_keys=keys
+    )
+    # When the tidal profile routes the prompt (on nominees: the pool is above narrow_above),
+    views = registry.views(rs.POOL)
+    assert isinstance(views, PoolIndex) and len(views) > router.profiles["tidal"].narrow_above
+    result = router.route(request, views)
+    # Then the events' holder was nominated and picked, its cached blocks counted exactly,
+    assert result is not None and result.replica.name == holder.name, result
+    assert result.notes["kv_index"] == "exact" and len(result.scores) < 40
