@@ -159,20 +159,20 @@ class PromptKeys:
 
 
 class BlockHolders:
-    """The replicas holding each block, over every replica's index of one tracker: content key ->
-    a bitmask of replicas (bit ``bit(name)``). The router's ``kv-index`` reads it to nominate the
-    replicas that hold the longest run of a prompt at pool scale: a lookup costs what the
-    prompt's blocks cost, not what the pool costs. Ints only, so the garbage collector never
-    walks it."""
+    """The replicas holding each block: block key -> a bitmask of replicas (bit ``bit(name)``).
+    A tracker keeps one over its replicas' indexes (content keys); the ``kv-index`` keeps one of
+    its own over the blocks it sent (its estimate's keys). It nominates from both the replicas
+    that hold the longest run of a prompt at pool scale: a lookup costs what the prompt's blocks
+    cost, not what the pool costs. Ints only, so the garbage collector never walks it."""
 
     def __init__(self) -> None:
         self.masks: dict[int, int] = {}
         self.names: list[str | None] = []  # by bit; None: a bit freed by a removed replica
-        self._bits: dict[str, int] = {}
+        self.bits: dict[str, int] = {}  # name -> its bit
 
     def bit(self, name: str) -> int:
         """``name``'s bit (a fresh or freed one on first use)."""
-        b = self._bits.get(name)
+        b = self.bits.get(name)
         if b is None:
             free = [i for i, n in enumerate(self.names) if n is None]
             b = free[0] if free else len(self.names)
@@ -180,12 +180,12 @@ class BlockHolders:
                 self.names[b] = name
             else:
                 self.names.append(name)
-            self._bits[name] = b
+            self.bits[name] = b
         return b
 
     def release(self, name: str) -> None:
         """Forget ``name`` (its index has already discarded its blocks)."""
-        b = self._bits.pop(name, None)
+        b = self.bits.pop(name, None)
         if b is not None:
             self.names[b] = None
 

@@ -56,9 +56,8 @@ def _order_key(v: ReplicaView) -> tuple[float, int, str]:
 class PoolIndex(Sequence[ReplicaView]):
     """The views of one pool's replicas, rebuilt per replica on change (see the module doc)."""
 
-    def __init__(self, name: str, now: Callable[[], float]) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self._now = now
         self._states: list[ReplicaState] = []
         self._views: list[ReplicaView] = []
         self._slot: dict[str, int] = {}
@@ -171,11 +170,6 @@ class PoolIndex(Sequence[ReplicaView]):
         """Every replica, least loaded first (fewest requests, then fewest queued prefill tokens)."""
         views, slot = self._views, self._slot
         for _, _, name in self._order:
-            yield views[slot[name]]
-
-    def most_loaded(self) -> Iterator[ReplicaView]:
-        views, slot = self._views, self._slot
-        for _, _, name in reversed(self._order):
             yield views[slot[name]]
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:

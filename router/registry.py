@@ -176,7 +176,6 @@ class ReplicaRegistry:
         slo = min(c.tpot_slo_s for c in fleet.classes.values())
         for pool in fleet.pools.values():
             reg._by_pool.setdefault(pool.name, [])
-            reg._pool_index(pool.name)
             for r in pool.replicas:
                 reg.add(
                     ReplicaState(
@@ -218,7 +217,7 @@ class ReplicaRegistry:
     def _pool_index(self, pool: str) -> PoolIndex:
         index = self._index.get(pool)
         if index is None:
-            index = self._index[pool] = PoolIndex(pool, self.clock.now)
+            index = self._index[pool] = PoolIndex(pool)
         return index
 
     def changed(self, state: ReplicaState) -> None:

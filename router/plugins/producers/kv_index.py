@@ -135,10 +135,8 @@ class KVIndex:
         self.params = params or Params()
         self._lru: dict[str, BlockLRU] = {}
         self._sent: dict[str, tuple[float, float]] = {}  # moving sums: uncached, prompt tokens
-        # The inverted index: level block -> bitmask of the replicas holding it (bits by _bit).
-        self._holders: dict[int, int] = {}
-        self._bit: dict[str, int] = {}
-        self._names: list[str] = []
+        # The inverted index: level block -> bitmask of the replicas holding it.
+        self._holders = BlockHolders()
         # Replicas whose cache is full, by the last use of their least recently used block.
         self._tails = SortedList()
         self._tail_of: dict[str, float] = {}
@@ -215,23 +213,14 @@ class KVIndex:
         lru = self._lru.get(name)
         if lru is None:
             lru = self._lru[name] = BlockLRU()
-            self._bit[name] = len(self._names)
-            self._names.append(name)
         lru.touch(blocks[::-1], state.now)
-        bit = 1 << self._bit[name]
         holders = self._holders
+        bit = holders.bit(name)
         for i in _levels(len(blocks)):
-            b = blocks[i]
-            holders[b] = holders.get(b, 0) | bit
+            holders.add(blocks[i], bit)
         cap = self.capacity(picked, max(1, request.block_tokens))
         for b in lru.evict_to(cap):
-            held = holders.get(b)
-            if held is not None and held & bit:
-                held &= ~bit
-                if held:
-                    holders[b] = held
-                else:
-                    del holders[b]
+            holders.discard(b, bit)
         tail = lru.oldest() if len(lru) >= cap else None
         old_tail = self._tail_of.pop(name, None)
         if old_tail is not None:
@@ -248,12 +237,11 @@ class KVIndex:
         out: list[str] = []
         blocks = request.prefix_blocks[: self.params.max_prefix_blocks]
         limit = self.params.nominees
-        self._deepest(blocks, self._holders, self._names, self._bit, limit, candidates, out)
+        _deepest(blocks, self._holders, limit, candidates, out)
         exact = self._exact_holders(request, candidates)
         if exact is not None:
             holders, keys = exact
-            bits = {n: b for b, n in enumerate(holders.names) if n is not None}
-            self._deepest(keys, holders.masks, holders.names, bits, len(out) + limit, candidates, out)
+            _deepest(keys, holders, len(out) + limit, candidates, out)
         tails = 0
         for _, name in self._tails:  # the oldest tails among the candidates
             if tails >= limit:
@@ -282,34 +270,29 @@ class KVIndex:
                 return idx.holders, request.engine_keys(idx.block_size)
         return None
 
-    def _deepest(
-        self,
-        keys: Sequence[int],
-        masks: Mapping[int, int],
-        names: Sequence[str | None],
-        bits: Mapping[str, int],
-        limit: int,
-        candidates: Candidates,
-        out: list[str],
-    ) -> None:
-        """Appends to ``out`` (up to ``limit`` in all) the candidates holding the longest runs of
-        ``keys``, by ``masks`` (key at a level position -> bits of its holders)."""
-        taken = 0
-        for n in out:
-            b = bits.get(n)
-            if b is not None:
-                taken |= 1 << b
-        for i in reversed(_levels(len(keys))):
-            held = masks.get(keys[i], 0) & ~taken
-            if held:
-                for name in _least_loaded_of(held, limit - len(out), candidates, names, bits):
-                    out.append(name)
-                    taken |= 1 << bits[name]
-                if len(out) >= limit:
-                    return
-
 
 _SPARSE = 16  # holders of one block under 1/_SPARSE of the pool are sorted by load; more, walked to
+
+
+def _deepest(
+    keys: Sequence[int], holders: BlockHolders, limit: int, candidates: Candidates, out: list[str]
+) -> None:
+    """Appends to ``out`` (up to ``limit`` in all) the candidates holding the longest runs of
+    ``keys``, by ``holders`` (key at a level position -> its holders)."""
+    masks, bits = holders.masks, holders.bits
+    taken = 0
+    for n in out:
+        b = bits.get(n)
+        if b is not None:
+            taken |= 1 << b
+    for i in reversed(_levels(len(keys))):
+        held = masks.get(keys[i], 0) & ~taken
+        if held:
+            for name in _least_loaded_of(held, limit - len(out), candidates, holders.names, bits):
+                out.append(name)
+                taken |= 1 << bits[name]
+            if len(out) >= limit:
+                return
 
 
 def _least_loaded_of(
