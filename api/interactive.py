@@ -44,7 +44,7 @@ from router.kv_events import (
     load_prompt_tokenizer,
 )
 from router.loader import build_router
-from router.prefix import chat_prefix_key, completion_prefix_key, render_messages, text_blocks
+from router.prefix import chat_view, completion_prefix_key, text_blocks
 from router.registry import ReplicaRegistry, ReplicaState
 from router.scraper import MetricsScraper
 from router.types import RouteRequest
@@ -264,13 +264,8 @@ class InteractiveService:
         blocks: tuple[int, ...] = ()
         limit: int | None
         if isinstance(request, ChatCompletionRequest):
-            messages = body["messages"]
-            size = sum(len(str(m.get("content") or "").encode()) for m in messages)
-            if request.tools:
-                size += len(str(request.tools).encode())
-            prefix_key = chat_prefix_key(messages, body.get("tools"))
-            if self.needs_blocks:
-                blocks = text_blocks(render_messages(messages))
+            view = chat_view(body["messages"], body.get("tools"), blocks=self.needs_blocks)
+            size, prefix_key, blocks = view.size, view.prefix_key, view.blocks
             limit = request.token_limit
             stream = request.stream
         else:

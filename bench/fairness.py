@@ -29,6 +29,7 @@ from typing import Any
 
 import click
 
+from bench.prompt_views import prepare_views
 from bench.routing import PRESET, VirtualGateway, bench_fleet
 from priority.window import quantile
 from replicas.sim.traces import TraceRequest
@@ -77,8 +78,9 @@ def _fleet(policy: str) -> FleetConfig:
 def _replay(arrivals: list[_Arrival], policy: str, seed: int) -> dict[str, Any]:
     cluster = VirtualCluster(PRESET, REPLICAS, seed=seed, max_num_batched_tokens=1024)
     gw = VirtualGateway(cluster, _fleet(policy), "tidal", seed=seed)
-    for a in sorted(arrivals, key=lambda a: a.request.arrival_s):
-        gw.arrive(a.request, a.request.arrival_s, a.tenant)
+    ordered = sorted(arrivals, key=lambda a: a.request.arrival_s)
+    for a, view in zip(ordered, prepare_views([a.request for a in ordered]), strict=True):
+        gw.arrive(a.request, a.request.arrival_s, view, a.tenant)
     cluster.run()
     horizon = max((a.request.arrival_s for a in arrivals), default=0.0)
     start = 0.1 * horizon  # leave out the start, while the queue and the caps settle

@@ -4,12 +4,42 @@ Replays a trace on 8 simulated replicas of each Llama-3.1-70B FP8 on H200 preset
 (``llama-3.1-70b-fp8-h200-tp4``, 1.44 M tokens of KV per replica) and 8 x H200 (``-tp8``, 3.1 M)
 -- in virtual time (``replicas.sim.virtual``) through a *virtual gateway* made of the product's own objects --
 the replica registry, the admission controller with the adaptive per-replica caps, and the
-router with each built-in profile -- with the same 1 s ``/metrics`` staleness the live gateway
-has. Nothing here re-implements a policy: the profiles are :mod:`router.profiles`.
+router with each built-in profile. Nothing here re-implements a policy: the profiles are
+:mod:`router.profiles`.
+
+**Each policy sees what its live system sees.**
+
+* *Signals* (each table's ``signals`` line; rows carry ``signal_staleness_s``): ``llm_d`` reads
+  the replicas' ``/metrics`` every 50 ms, its endpoint picker's default refresh; SGLang's
+  cache-aware policy balances on its own in-flight counts; ``tidal`` reads the gateway's in-flight
+  and prefill counts, the replicas' KV events and ``/metrics`` every 1 s, as the live gateway does.
+* *Prompts* (:mod:`bench.prompt_views`): each trace request becomes the chat request its
+  conversation implies (deterministic text per block id, at 3.2-4.8 characters a token), read by
+  :func:`router.prefix.chat_view` -- the very function the live gateway calls -- for the stable
+  prefix key, the 64-character blocks capped at 256 (``tidal``, and llm-d's prefix plugin, whose
+  defaults are the same) and the bytes / 4 token estimate; SGLang's tree gets the whole prompt's
+  blocks. ``tidal``'s KV index reads the engine's own block keys from the KV events, as the live
+  gateway does where it has the model's tokenizer.
+* *Sessions*: a turn that repeats an earlier request's prompt continues its conversation, whose
+  id is the request's session key (``X-Session-Id``), so the live profile's session ring is
+  exercised.
+
+**Tuning is separate from scoring.** Every policy with parameters gets the same budget
+(:data:`TUNING`: a 2 x 2 grid over its two main parameters, defaults included), tried on the
+first half of the trace at 80 % load over :data:`TUNE_SEEDS` seeds; the setting with the lowest
+TTFT p95 is scored on the second half. Rows carry ``tuned_params`` and ``tuned_on``; ``--tune
+off`` scores the defaults on the whole trace.
+
+**Every figure is a mean over seeds** (``--seeds``, 5): each seed jitters the arrivals (by up to
+half the trace's mean gap; seed 0 replays them as recorded) and seeds the router's and the
+simulator's randomness. Rows carry ``seeds``, ``ttft_p95_ci95_s`` and ``hit_ratio_ci95`` (95 %
+Student intervals) and, on ``tidal``'s rows, ``verdict``: ``best`` when its TTFT p95 interval
+lies below that of the next policy, ``behind`` when another's lies below its own, else ``tie``.
+Replays run on ``--jobs`` processes (the machine's cores).
 
 For each trace the capacity is measured first (requests per second the capped fleet completes
 when saturated, round robin), then the trace's arrivals are rescaled to each load (50, 80, 95 %
-of that capacity) and replayed once per policy. **Load** is the trace's offered rate over that
+of that capacity). **Load** is the trace's offered rate over that
 capacity, the rate taken (``--load-basis``) in its busiest 5-minute window (``peak``, the
 default) or over the whole trace (``mean``). The two agree for a steady trace (the Mooncake
 conversation trace's busiest 5 minutes are 1.14 x its mean) but not for a bursty one: the Azure
@@ -23,10 +53,10 @@ prefix-cache hit ratio beside three bounds -- the trace's ideal (one infinite ca
 place each prompt on one replica of an LRU engine, as vLLM is, can approach it but hardly beat
 it) and ``belady_hit_ratio`` (that cache evicting the block needed furthest in the future
 instead: on the Mooncake trace it reaches the whole ideal, so what separates LRU from the ideal
-is the eviction policy, not the cluster's size) -- output throughput and
-load imbalance (max / mean replica work). Requests carry the stable-prefix key of the
-``prefix-ring`` as their first 2 512-token blocks (a conversation of the Mooncake trace, whose
-first block is one global system prompt), for profiles that hash it.
+is the eviction policy, not the cluster's size) -- output throughput,
+load imbalance (max / mean replica work), ``session_share`` (requests that continue a session
+their gateway placed before) and ``session_stay`` (of those, the share placed where the
+session's previous request went).
 
 **KV events** (``--kv-events on``, the default): the replicas publish their KV events as vLLM's
 ``--kv-events-config`` does and every gateway follows them (:class:`VirtualKVEvents`: one
@@ -51,9 +81,10 @@ queue and router indexes), the loss without sharing: a conversation's turns then
 that never saw its earlier turns. Rows carry ``gateways``, ``sharing`` (``single`` for one
 gateway) and ``kv_events``.
 
-Traces: the Mooncake conversation trace and the Azure code trace from ``../shared/traces/``
-(or ``$TIDAL_TRACES_DIR``), any ``--trace FILE`` (Mooncake JSONL or Azure CSV, repeatable), or
-the built-in synthetic workload (``--trace synthetic``, and when no trace is found). Admission never refuses here (an hour-long
+Traces: the Mooncake conversation trace and the Azure code and conversation traces from
+``../shared/traces/`` (or ``$TIDAL_TRACES_DIR``) and, in the full run or when no trace is found,
+the built-in synthetic workload; or any ``--trace FILE`` (Mooncake JSONL or Azure CSV,
+repeatable; ``--trace synthetic`` for the built-in one). Admission never refuses here (an hour-long
 wait budget and an unbounded queue), so every policy serves every request and queueing shows in
 TTFT.
 
@@ -61,27 +92,33 @@ Example::
 
     tidal bench routing --quick                     # TP4 only, one load, the first requests
     tidal bench routing --preset llama-3.1-70b-fp8-h200-tp8 --loads 0.8
-    tidal bench routing --trace my_trace.jsonl --loads 0.5,0.9
-    tidal bench routing --load-basis mean --policies tidal,round_robin
-    tidal bench routing --trace synthetic --loads 0.8 --gateways 4
+    tidal bench routing --trace my_trace.jsonl --loads 0.5,0.9 --seeds 10
+    tidal bench routing --load-basis mean --policies tidal,round_robin --tune off
+    tidal bench routing --trace synthetic --loads 0.8 --gateways 4 --jobs 16
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import multiprocessing
+import os
 import random
+import statistics
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
 from functools import partial
+from itertools import product
 from pathlib import Path
 from typing import Any
 
 import click
 import msgspec
 
+from bench.prompt_views import RouteView, prepare_views
 from bench.traces import (
     TraceRequest,
     belady_hit_ratio,
@@ -106,8 +143,7 @@ from replicas.wire.kv_events import (
 )
 from router.kv_events import PromptKeys, ReplicaBlockIndex
 from router.loader import build_router
-from router.prefix import blocks_prefix_key
-from router.profiles import BUILTIN_PROFILES
+from router.profiles import BUILTIN_PROFILES, BUILTIN_ROUTER
 from router.registry import ReplicaRegistry, ReplicaState
 from router.shared import CapProposal, GatewayLoad, SharedCap, SharedLoad, SyncReply
 from router.types import RouteRequest
@@ -128,17 +164,153 @@ __all__ = [
     "trace_token_ids",
 ]
 
-DEFAULT_TRACES = ("mooncake_conversation_trace.jsonl", "AzureLLMInferenceTrace_code.csv")
+DEFAULT_TRACES = (
+    "mooncake_conversation_trace.jsonl",
+    "AzureLLMInferenceTrace_code.csv",
+    "AzureLLMInferenceTrace_conv.csv",
+)
 PRESET = "llama-3.1-70b-fp8-h200-tp4"
 # The two 70B-on-H200 presets: TP8 has twice the GPUs, so about twice the KV cache per replica.
 PRESETS = (PRESET, "llama-3.1-70b-fp8-h200-tp8")
 MODEL = "llama-3.1-70b"
-DEFAULT_KEY_BLOCKS = 2
 # The profiles whose choice depends on what the gateway remembers of earlier prompts.
 CACHE_AWARE = ("tidal", "sglang_cache_aware", "llm_d")
-SCRAPE_INTERVAL_S = 1.0
+SCRAPE_INTERVAL_S = 1.0  # the live gateway's default
 QUICK_MIN, QUICK_MAX = 1000, 3000  # requests per trace in --quick
 PEAK_WINDOW_S = 300.0
+
+# What each policy's live system routes on, and the age of its stalest signal: llm-d's endpoint
+# picker refreshes every replica's metrics every 50 ms (its --refresh-metrics-interval default);
+# SGLang's router balances on its own in-flight counts; tidal reads the gateway's counts, the KV
+# events and /metrics at the live gateway's scrape interval. Printed in each table's setup line.
+SIGNALS: dict[str, tuple[float, str]] = {
+    "tidal": (
+        SCRAPE_INTERVAL_S,
+        "gateway in-flight and prefill counts, KV events (5 ms), /metrics every 1 s",
+    ),
+    "round_robin": (0.0, "none"),
+    "least_load": (0.0, "gateway in-flight counts"),
+    "power_of_two": (0.0, "gateway in-flight counts"),
+    "sglang_cache_aware": (0.0, "its own in-flight counts"),
+    "llm_d": (0.05, "/metrics every 50 ms"),
+}
+# How often each policy's gateway scrapes /metrics (the others read no scraped signal).
+SCRAPE_S = {"tidal": SCRAPE_INTERVAL_S, "llm_d": 0.05}
+# The policies that index the whole prompt (SGLang's character tree); the others read the live
+# gateway's view, capped at 256 blocks of 64 characters as llm-d's prefix plugin is
+# (:mod:`bench.prompt_views`).
+FULL_VIEW = ("sglang_cache_aware",)
+
+# The tuning budget, the same for every policy that has parameters: a 2 x 2 grid over its two
+# main ones, its defaults first ("plugin.parameter", or "plugin@weight" for a scorer's weight in
+# the profile). Tuned on one part of the trace at TUNE_LOAD, scored on another.
+TUNING: dict[str, dict[str, tuple[float, float]]] = {
+    "tidal": {"session-affinity-scorer@weight": (4.0, 0.0), "prefill-cost-scorer.affinity": (6.0, 3.0)},
+    "sglang_cache_aware": {
+        "cache-aware-scorer.cache_threshold": (0.3, 0.5),
+        # Below the per-replica cap (16), so that the imbalance rule can engage at all.
+        "cache-aware-scorer.balance_abs_threshold": (64.0, 8.0),
+    },
+    "llm_d": {"prefix-cache-scorer@weight": (3.0, 6.0), "queue-scorer@weight": (2.0, 4.0)},
+}
+TUNE_LOAD = 0.8
+TUNE_SEEDS = 2
+DEFAULT_SEEDS = 5
+# Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (then the normal's).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def settings(policy: str) -> list[dict[str, float]]:
+    """The tuning grid of ``policy`` (its defaults first); one empty setting if it has none."""
+    grid = TUNING.get(policy)
+    if not grid:
+        return [{}]
+    keys = list(grid)
+    return [dict(zip(keys, values, strict=True)) for values in product(*(grid[k] for k in keys))]
+
+
+def variant(policy: str, setting: Mapping[str, float]) -> tuple[str, dict[str, Any] | None]:
+    """The profile to route with and the ``router:`` section that defines it: the built-in
+    profile itself for an empty ``setting``, else a copy with the setting's parameters and
+    weights (every plugin declared anew, so its indexes are its own)."""
+    if not setting:
+        return policy, None
+    base = next(p for p in BUILTIN_ROUTER["profiles"] if p["name"] == policy)
+    plugins, refs = [], []
+    for ref in base["plugins"]:
+        name = ref["ref"]
+        params = {k.split(".", 1)[1]: v for k, v in setting.items() if k.startswith(f"{name}.")}
+        plugins.append({"type": name, "name": name, "parameters": params})
+        weight = setting.get(f"{name}@weight", ref.get("weight"))
+        refs.append({"ref": name} if weight is None else {"ref": name, "weight": weight})
+    tuned = f"{policy}-tuned"
+    return tuned, {"plugins": plugins, "profiles": [{"name": tuned, "plugins": refs}]}
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float, float]:
+    """The mean of ``values`` and its 95 % interval (Student's t); a single value is its own."""
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return math.nan, math.nan, math.nan
+    mean = statistics.fmean(vals)
+    if len(vals) < 2:
+        return mean, mean, mean
+    t = _T95[len(vals) - 2] if len(vals) - 1 <= len(_T95) else 1.96
+    half = t * statistics.stdev(vals) / math.sqrt(len(vals))
+    return mean, mean - half, mean + half
+
+
+def verdict(mine: Sequence[float], others: Mapping[str, Sequence[float]]) -> str:
+    """``best`` when ``mine``'s 95 % interval lies below that of the best other policy (by
+    mean), ``behind`` when some other's lies below ``mine``'s, else ``tie``."""
+    _, lo, hi = mean_ci95(mine)
+    if not others:
+        return "best"
+    cis = {name: mean_ci95(v) for name, v in others.items()}
+    nearest = min(cis.values(), key=lambda c: c[0])
+    if hi < nearest[1]:
+        return "best"
+    if any(c[2] < lo for c in cis.values()):
+        return "behind"
+    return "tie"
+
+
+def jittered(
+    workload: Sequence[TraceRequest], views: Sequence[RouteView], seed: int
+) -> tuple[list[TraceRequest], list[RouteView]]:
+    """The trace's arrivals jittered for ``seed`` (seed 0: as recorded): each moved by up to half
+    the trace's mean gap either way, the order re-sorted (views follow their requests)."""
+    if seed == 0 or len(workload) < 2:
+        return list(workload), list(views)
+    gap = (workload[-1].arrival_s - workload[0].arrival_s) / (len(workload) - 1)
+    rng = random.Random(seed)
+    moved = [(max(0.0, r.arrival_s + rng.uniform(-gap / 2, gap / 2)), i) for i, r in enumerate(workload)]
+    moved.sort()
+    return [replace(workload[i], arrival_s=t) for t, i in moved], [views[i] for _, i in moved]
+
+
+_TASKS: list[Callable[[], Any]] = []
+
+
+def _call(i: int) -> Any:
+    return _TASKS[i]()
+
+
+def run_all(tasks: Sequence[Callable[[], Any]], jobs: int) -> list[Any]:
+    """Every task's result, in order; on ``jobs`` forked processes when more than one (each
+    replay is independent, and the children inherit the workloads instead of copying them)."""
+    global _TASKS
+    if jobs <= 1 or len(tasks) <= 1:
+        return [t() for t in tasks]
+    _TASKS = list(tasks)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=ctx) as pool:
+            return list(pool.map(_call, range(len(tasks))))
+    finally:
+        _TASKS = []
 
 
 class VirtualClock:
@@ -323,8 +495,16 @@ class VirtualKVEvents:
             self.cluster.at(self.cluster.now, self.probe)
 
 
-def bench_fleet(replicas: int, *, cap: int = 16, min_cap: int = 2, tpot_slo_s: float = 0.05) -> FleetConfig:
-    """The simulated pool as a fleet config: what the live gateway would load."""
+def bench_fleet(
+    replicas: int,
+    *,
+    cap: int = 16,
+    min_cap: int = 2,
+    tpot_slo_s: float = 0.05,
+    router: Mapping[str, Any] | None = None,
+) -> FleetConfig:
+    """The simulated pool as a fleet config: what the live gateway would load (``router``: its
+    ``router:`` section, e.g. a tuned profile)."""
     return parse_fleet(
         {
             "models": [{"name": MODEL, "max_model_len": 131072}],
@@ -342,6 +522,7 @@ def bench_fleet(replicas: int, *, cap: int = 16, min_cap: int = 2, tpot_slo_s: f
             "classes": {"interactive": {"priority": 0, "wait_budget_s": 3600, "tpot_slo_s": tpot_slo_s}},
             "features": {"default": {"class": "interactive", "context_cap": 10_000_000}},
             "gateway": {"max_queue": 1_000_000, "scrape_interval_s": SCRAPE_INTERVAL_S},
+            **({"router": dict(router)} if router else {}),
         },
         "routing benchmark",
     )
@@ -373,13 +554,16 @@ class VirtualGateway:
     fleet: FleetConfig
     profile: str
     seed: int = 0
-    key_blocks: int = DEFAULT_KEY_BLOCKS
+    scrape_s: float = SCRAPE_INTERVAL_S  # how often this gateway reads the replicas' /metrics
+    full_view: bool = False  # route on the whole prompt's blocks (RouteView.full), not the gateway's
     number: int = 0  # which of several gateways (request ids stay unique across them)
     store: VirtualLoadStore | None = None  # shared load state (router.shared), else this gateway's own
     kv: VirtualKVEvents | None = None  # the replicas' KV events, when they publish
     loop: asyncio.AbstractEventLoop | None = None  # runs the shared-state syncs (they do no I/O here)
     served: list[_Outcome] = field(default_factory=list)
     refused: int = 0
+    follow_ups: int = 0  # requests of a session this gateway placed before
+    stayed: int = 0  # ... placed where that session's previous request went
     notes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -399,6 +583,7 @@ class VirtualGateway:
             borrow_slots=self.fleet.gateway.fair_borrow_slots,
         )
         self.refused_by: Counter[str] = Counter()  # per tenant
+        self.last_of_session: dict[str, str] = {}
         self.klass = self.fleet.classes["interactive"]
         self.outstanding = 0
         self._ids = 0
@@ -448,11 +633,13 @@ class VirtualGateway:
         for state in self.states:
             self.registry.update_snapshot(state.name, cluster.engines[self.index[state.name]].snapshot())
         if self.outstanding > 0:
-            cluster.at(cluster.now + SCRAPE_INTERVAL_S, self._scrape)
+            cluster.at(cluster.now + self.scrape_s, self._scrape)
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def arrive(self, req: TraceRequest, at: float, tenant: str = "") -> None:
+    def arrive(self, req: TraceRequest, at: float, view: RouteView, tenant: str = "") -> None:
+        """``req`` reaches this gateway at ``at``, read as ``view`` (:mod:`bench.prompt_views`)."""
+
         def on_arrival(cluster: VirtualCluster) -> None:
             if self.outstanding == 0:
                 cluster.at(cluster.now, self._scrape)
@@ -465,10 +652,10 @@ class VirtualGateway:
                 self.kv.start()
             route = RouteRequest(
                 model=MODEL,
-                prefix_key=blocks_prefix_key(req.hash_ids, self.key_blocks),
-                prefix_blocks=req.hash_ids,
-                block_tokens=req.block_tokens,
-                prompt_tokens=req.input_length,
+                prefix_key=view.prefix_key,
+                prefix_blocks=tuple(view.full if self.full_view else view.live),
+                session_key=view.session_key,
+                prompt_tokens=view.prompt_tokens,
                 engine_keys=None if self.kv is None else PromptKeys(partial(_trace_tokens, req)),
             )
             job = _Inflight(req, cluster.now, route, tenant=tenant)
@@ -513,7 +700,13 @@ class VirtualGateway:
         state = self.registry.get(result.replica.name)
         assert state is not None
         job.replica = state
-        self.registry.acquire(state, prompt_tokens=job.req.input_length)
+        if (session := job.route.session_key) is not None:
+            last = self.last_of_session.get(session)
+            if last is not None:
+                self.follow_ups += 1
+                self.stayed += last == state.name
+            self.last_of_session[session] = state.name
+        self.registry.acquire(state, prompt_tokens=job.route.prompt_tokens)  # the estimate, as live
         self.admission.started(job.ticket)
         self._ids += 1
         self.cluster.submit(
@@ -532,12 +725,12 @@ class VirtualGateway:
     def _first_token(self, job: _Inflight, at: float) -> None:
         assert job.replica is not None
         job.prefilled = True
-        self.registry.first_token(job.replica, job.req.input_length)
+        self.registry.first_token(job.replica, job.route.prompt_tokens)
 
     def _finished(self, job: _Inflight, res: SimResult) -> None:
         assert job.replica is not None
         self.served.append(_Outcome(job.arrival, res, job.tenant))
-        pending = 0 if job.prefilled else job.req.input_length
+        pending = 0 if job.prefilled else job.route.prompt_tokens
         self.registry.release(job.replica, tpot_s=res.tpot, pending_prompt_tokens=pending)
         self.admission.completed("interactive")
         assert job.ticket is not None
@@ -549,12 +742,13 @@ class VirtualGateway:
 
 def replay(
     workload: Sequence[TraceRequest],
-    profile: str,
+    policy: str,
     *,
     scale: float,
+    views: Sequence[RouteView] | None = None,
+    setting: Mapping[str, float] | None = None,
     replicas: int = 8,
     preset: str = PRESET,
-    key_blocks: int = DEFAULT_KEY_BLOCKS,
     seed: int = 0,
     fleet: FleetConfig | None = None,
     warmup: float = 0.1,
@@ -563,8 +757,11 @@ def replay(
     sharing: str = "shared",
     kv_events: bool = True,
 ) -> dict[str, Any]:
-    """Replay ``workload`` with arrival times multiplied by ``scale`` (0: all at once) through
-    ``profile``; the measured figures of one run. Latencies leave out the requests that arrived
+    """Replay ``workload`` with arrival times multiplied by ``scale`` (0: all at once) through the
+    built-in profile ``policy`` with its parameters set as ``setting`` says (:func:`variant`);
+    the measured figures of one run. ``views``: each request as the live routers read it
+    (:func:`bench.prompt_views.prepare_views` of ``workload`` when not given); the policy's gateway
+    scrapes /metrics as its live system does (:data:`SCRAPE_S`). Latencies leave out the requests that arrived
     in the first ``warmup`` share of the replay (while the caps converge from their start value).
     With ``gateways`` > 1, that many gateways share the replicas, and each request goes to one
     of them at random; with ``sharing`` ``"shared"`` they share load through the shared state
@@ -580,7 +777,10 @@ def replay(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_kv_cache_events=kv_events,
     )
-    fleet = fleet or bench_fleet(replicas)
+    profile, router = variant(policy, setting or {})
+    fleet = fleet or bench_fleet(replicas, router=router)
+    if views is None:
+        views = prepare_views(workload)
     kv = VirtualKVEvents(cluster) if kv_events else None
     board = (
         VirtualLoadBoard(VirtualClock(cluster), ttl_s=fleet.gateway.shared_state_ttl_s)
@@ -594,7 +794,8 @@ def replay(
             fleet,
             profile,
             seed=seed + i,
-            key_blocks=key_blocks,
+            scrape_s=SCRAPE_S.get(policy, SCRAPE_INTERVAL_S),
+            full_view=policy in FULL_VIEW,
             number=i,
             store=VirtualLoadStore(board, f"gw{i}") if board is not None else None,
             kv=kv,
@@ -606,9 +807,9 @@ def replay(
         kv.busy = lambda: any(gw.outstanding for gw in gws)
     spread = random.Random(seed)  # an L4 balancer in front: any request to any gateway
     t0 = workload[0].arrival_s if workload else 0.0
-    for req in workload:
+    for req, view in zip(workload, views, strict=True):
         gw = gws[spread.randrange(gateways)] if gateways > 1 else gws[0]
-        gw.arrive(req, (req.arrival_s - t0) * scale)
+        gw.arrive(req, (req.arrival_s - t0) * scale, view)
     wall = time.perf_counter()
     try:
         cluster.run()
@@ -648,6 +849,8 @@ def replay(
         "ring_walk_share": sum(gw.notes.get("prefix:walked", 0) for gw in gws) / len(served)
         if served
         else 0.0,
+        "session_share": sum(gw.follow_ups for gw in gws) / len(served) if served else 0.0,
+        "session_stay": sum(gw.stayed for gw in gws) / max(1, sum(gw.follow_ups for gw in gws)),
         "wall_s": wall,
     }
 
@@ -691,16 +894,22 @@ def _workloads(trace: Any, quick: bool, limit: int | None) -> list[tuple[str, li
             found = find_trace(name, Path(__file__).resolve().parents[1])
             if found is not None:
                 out.append((name, load_trace(found), f"real trace {name} (shared traces)"))
-        if not out:
+        if not out or not quick:
             reqs = synthetic_workload(duration_s=3600.0)
-            out.append(
-                ("synthetic", reqs, f"built-in synthetic workload ({len(reqs)} requests; no trace found)")
-            )
+            why = "" if out else "; no trace found"
+            out.append(("synthetic", reqs, f"built-in synthetic workload ({len(reqs)} requests{why})"))
     return [(name, reqs[:limit] if limit else reqs, src) for name, reqs, src in out]
 
 
 def _fmt_ms(v: float) -> str:
     return "-" if math.isnan(v) else f"{v * 1000:.0f}"
+
+
+def _flag(value: str | bool, option: str) -> bool:
+    text = str(value).lower()
+    if text not in ("on", "off", "true", "false"):
+        raise click.UsageError(f"--{option} must be 'on' or 'off', not {value!r}")
+    return text in ("on", "true")
 
 
 def run(
@@ -712,146 +921,308 @@ def run(
     replicas: str | int = 8,
     requests: str | int | None = None,
     seed: str | int = 0,
+    seeds: str | int = DEFAULT_SEEDS,
+    tune: str | bool = "on",
+    jobs: str | int | None = None,
     load_basis: str = "peak",
     preset: str | None = None,
     gateways: str | int | None = None,
     kv_events: str | bool = "on",
     **_: Any,
 ) -> list[dict[str, Any]]:
-    """Every preset x trace x load x policy; rows as in the module docstring."""
+    """Every preset x trace x load x policy, each over ``seeds`` seeds; rows as in the module
+    docstring."""
     if load_basis not in ("peak", "mean"):
         raise click.UsageError(f"--load-basis must be 'peak' or 'mean', not {load_basis!r}")
     n_replicas = int(replicas)
-    if str(kv_events).lower() not in ("on", "off", "true", "false"):
-        raise click.UsageError(f"--kv-events must be 'on' or 'off', not {kv_events!r}")
-    events = str(kv_events).lower() in ("on", "true")
-    load_levels = [float(x) for x in loads.split(",")] if loads else ([0.8] if quick else [0.5, 0.8, 0.95])
-    profiles = policies.split(",") if policies else list(BUILTIN_PROFILES)
-    limit = int(requests) if requests is not None else None
+    events = _flag(kv_events, "kv-events")
+    opts = _Options(
+        quick=quick,
+        limit=int(requests) if requests is not None else None,
+        loads=[float(x) for x in loads.split(",")] if loads else ([0.8] if quick else [0.5, 0.8, 0.95]),
+        profiles=policies.split(",") if policies else list(BUILTIN_PROFILES),
+        replicas=n_replicas,
+        seeds=[int(seed) + k for k in range(max(1, int(seeds)))],
+        tune=_flag(tune, "tune"),
+        jobs=int(jobs) if jobs is not None else (os.cpu_count() or 1),
+        load_basis=load_basis,
+        gateway_counts=([] if quick else [2])
+        if gateways is None
+        else [n for n in (int(x) for x in str(gateways).split(",") if x.strip()) if n > 1],
+        kv_events=events,
+    )
+    for p in opts.profiles:
+        if p not in BUILTIN_PROFILES:
+            raise click.UsageError(f"unknown policy {p!r} (known: {', '.join(BUILTIN_PROFILES)})")
     presets = preset.split(",") if preset else ([PRESET] if quick else list(PRESETS))
-    if gateways is None:
-        gateway_counts = [] if quick else [2]
-    else:
-        gateway_counts = [n for n in (int(x) for x in str(gateways).split(",") if x.strip()) if n > 1]
     for p in presets:
         get_preset(p)  # an unknown name fails before any replay
     rows: list[dict[str, Any]] = []
     for p in presets:
-        for name, workload, source in _workloads(trace, quick, limit):
-            rows.extend(
-                _run_trace(
-                    p,
-                    name,
-                    workload,
-                    source,
-                    quick,
-                    limit,
-                    load_levels,
-                    profiles,
-                    n_replicas,
-                    int(seed),
-                    load_basis,
-                    gateway_counts,
-                    events,
-                )
-            )
+        for name, workload, source in _workloads(trace, quick, opts.limit):
+            rows.extend(_run_trace(p, name, workload, source, opts))
     return rows
+
+
+@dataclass(frozen=True)
+class _Options:
+    quick: bool
+    limit: int | None
+    loads: list[float]
+    profiles: list[str]
+    replicas: int
+    seeds: list[int]
+    tune: bool
+    jobs: int
+    load_basis: str
+    gateway_counts: list[int]
+    kv_events: bool
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A part of a trace (the tuning or the scored one), its views, capacity and load basis."""
+
+    workload: list[TraceRequest]
+    views: list[RouteView]
+    capacity: float  # requests per second, saturated, round robin
+    basis_rate: float  # arrivals per second the loads are taken of
+    natural_rate: float
+    busiest: float
+
+    def scale(self, load: float) -> float:
+        return self.basis_rate / (load * self.capacity) if self.capacity > 0 else 1.0
+
+
+def _part(workload: list[TraceRequest], views: list[RouteView], preset: str, o: _Options) -> _Part:
+    sat = replay(
+        workload, "round_robin", scale=0.0, views=views, replicas=o.replicas, preset=preset, seed=o.seeds[0]
+    )
+    span = workload[-1].arrival_s - workload[0].arrival_s if len(workload) > 1 else 1.0
+    natural = len(workload) / span if span > 0 else float("inf")
+    busiest = peak_rate(workload)
+    return _Part(
+        workload,
+        views,
+        sat["requests_per_s"],
+        busiest if o.load_basis == "peak" else natural,
+        natural,
+        busiest,
+    )
+
+
+def _replays(
+    part: _Part,
+    jobs: Sequence[tuple[float, str, Mapping[str, float], int, int, str]],
+    preset: str,
+    o: _Options,
+) -> list[dict[str, Any]]:
+    """One replay per (load, policy, setting, seed, gateways, sharing), on ``o.jobs`` processes."""
+    by_seed = {s: jittered(part.workload, part.views, s) for s in {j[3] for j in jobs}}
+    tasks = [
+        partial(
+            replay,
+            by_seed[s][0],
+            policy,
+            views=by_seed[s][1],
+            setting=setting,
+            scale=part.scale(load),
+            replicas=o.replicas,
+            preset=preset,
+            seed=s,
+            gateways=gateways,
+            sharing=sharing,
+            kv_events=o.kv_events and sharing == "shared",
+        )
+        for load, policy, setting, s, gateways, sharing in jobs
+    ]
+    return run_all(tasks, o.jobs)
+
+
+def _tune(part: _Part, preset: str, o: _Options) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """Each tunable policy's setting with the lowest mean TTFT p95 on ``part`` at TUNE_LOAD
+    (:data:`TUNE_SEEDS` seeds per setting), and every setting's figure."""
+    grid = [(p, st) for p in o.profiles if p in TUNING for st in settings(p)]
+    seeds = [o.seeds[0] + k for k in range(TUNE_SEEDS)]
+    jobs = [(TUNE_LOAD, p, st, s, 1, "shared") for p, st in grid for s in seeds]
+    results = _replays(part, jobs, preset, o)
+    chosen: dict[str, dict[str, float]] = {}
+    tried: dict[str, list[dict[str, Any]]] = {}
+    for i, (policy, setting) in enumerate(grid):
+        runs = results[i * len(seeds) : (i + 1) * len(seeds)]
+        p95 = statistics.fmean(m["ttft_p95_s"] for m in runs)
+        tried.setdefault(policy, []).append({"setting": setting, "ttft_p95_s": p95})
+    for policy, options in tried.items():
+        chosen[policy] = min(options, key=lambda x: x["ttft_p95_s"])["setting"]
+    return chosen, tried
+
+
+_MEAN_FIELDS = (
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p95_s",
+    "prefix_hit_ratio",
+    "throughput_tok_s",
+    "imbalance",
+    "preemptions",
+    "ring_walk_share",
+    "session_share",
+    "session_stay",
+)
 
 
 def _run_trace(
-    preset: str,
-    name: str,
-    workload: list[TraceRequest],
-    source: str,
-    quick: bool,
-    limit: int | None,
-    load_levels: list[float],
-    profiles: list[str],
-    n_replicas: int,
-    seed: int,
-    load_basis: str,
-    gateway_counts: list[int],
-    kv_events: bool = True,
+    preset: str, name: str, workload: list[TraceRequest], source: str, o: _Options
 ) -> list[dict[str, Any]]:
-    if quick and limit is None:
+    if o.quick and o.limit is None:
         # About four minutes of virtual time at 80% load: enough for the caps to settle.
         probe = replay(
-            workload[:QUICK_MIN], "round_robin", scale=0.0, replicas=n_replicas, preset=preset, seed=seed
+            workload[:QUICK_MIN],
+            "round_robin",
+            scale=0.0,
+            replicas=o.replicas,
+            preset=preset,
+            seed=o.seeds[0],
         )
         n = int(min(QUICK_MAX, max(QUICK_MIN, 240 * 0.8 * probe["requests_per_s"])))
-        workload = workload[:n]
-    click.echo(f"\n== {name}: {source}; {len(workload)} requests on {n_replicas} x {preset} (virtual time)")
+        workload = workload[: 2 * n if o.tune else n]
+    views = prepare_views(workload)  # over the whole trace: a conversation may span both parts
+    tuning: _Part | None = None
+    if o.tune and len(workload) >= 4:
+        half = len(workload) // 2
+        tuning = _part(workload[:half], views[:half], preset, o)
+        workload, views = workload[half:], views[half:]
+    scored = _part(workload, views, preset, o)
+    click.echo(
+        f"\n== {name}: {source}; {len(workload)} requests scored on {o.replicas} x {preset} (virtual time)"
+    )
     ideal = ideal_hit_ratio(workload)
-    kv_tokens = cluster_kv_tokens(n_replicas, preset)
+    kv_tokens = cluster_kv_tokens(o.replicas, preset)
     bound = capacity_hit_ratio(workload, kv_tokens)
     clairvoyant = belady_hit_ratio(workload, kv_tokens)
-    span = workload[-1].arrival_s - workload[0].arrival_s if len(workload) > 1 else 1.0
-    natural_rate = len(workload) / span if span > 0 else float("inf")
-    busiest = peak_rate(workload)
-    basis_rate = busiest if load_basis == "peak" else natural_rate
-    sat = replay(workload, "round_robin", scale=0.0, replicas=n_replicas, preset=preset, seed=seed)
-    capacity = sat["requests_per_s"]
     click.echo(
-        f"capacity (saturated, round robin, TPOT-capped): {capacity:.2f} req/s; the trace's own "
-        f"rate: {natural_rate:.2f} req/s mean, {busiest:.2f} in its busiest {PEAK_WINDOW_S:.0f} s "
-        f"(peak / mean {busiest / natural_rate:.2f}); load basis: {load_basis}; "
+        f"capacity (saturated, round robin, TPOT-capped): {scored.capacity:.2f} req/s; the trace's own "
+        f"rate: {scored.natural_rate:.2f} req/s mean, {scored.busiest:.2f} in its busiest {PEAK_WINDOW_S:.0f} s "
+        f"(peak / mean {scored.busiest / scored.natural_rate:.2f}); load basis: {o.load_basis}; "
         f"hit ratio bounds: ideal {ideal:.3f}, one LRU of the cluster's KV {bound:.3f} "
         f"(with clairvoyant eviction instead of LRU: {clairvoyant:.3f})"
     )
-
-    def row(load: float, policy: str, gateways: int, sharing: str = "shared") -> dict[str, Any]:
-        scale = basis_rate / (load * capacity) if capacity > 0 else 1.0
-        m = replay(
-            workload,
-            policy,
-            scale=scale,
-            replicas=n_replicas,
-            preset=preset,
-            seed=seed,
-            gateways=gateways,
-            sharing=sharing,
-            kv_events=kv_events and sharing == "shared",
+    click.echo("signals: " + "; ".join(f"{p}: {SIGNALS[p][1]}" for p in o.profiles))
+    chosen: dict[str, dict[str, float]] = {}
+    if tuning is not None:
+        chosen, tried = _tune(tuning, preset, o)
+        click.echo(
+            f"tuned on the trace's first {len(tuning.workload)} requests at {TUNE_LOAD:.0%} load "
+            f"({TUNE_SEEDS} seeds per setting; scored on the {len(workload)} after them):"
         )
-        return {
-            "preset": preset,
-            "trace": name,
-            "load": load,
-            "policy": policy,
-            "gateways": gateways,
-            "sharing": sharing if gateways > 1 else "single",
-            "kv_events": kv_events and sharing == "shared",
-            "ttft_p50_s": m["ttft_p50_s"],
-            "ttft_p95_s": m["ttft_p95_s"],
-            "ttft_p99_s": m["ttft_p99_s"],
-            "tpot_p50_s": m["tpot_p50_s"],
-            "tpot_p95_s": m["tpot_p95_s"],
-            "prefix_hit_ratio": m["prefix_hit_ratio"],
-            "ideal_hit_ratio": ideal,
-            "capacity_hit_ratio": bound,
-            "belady_hit_ratio": clairvoyant,
-            "throughput_tok_s": m["throughput_tok_s"],
-            "imbalance": m["imbalance"],
-            "requests": m["served"],
-            "refused": m["refused"],
-            "preemptions": m["preemptions"],
-            "ring_walk_share": m["ring_walk_share"],
-            "capacity_req_s": capacity,
-            "load_basis": load_basis,
-            "mean_load": natural_rate / scale / capacity if capacity > 0 else 0.0,
-            "peak_load": busiest / scale / capacity if capacity > 0 else 0.0,
-            "source": source,
-            "sim_wall_s": round(m["wall_s"], 2),
-        }
-
-    rows = [row(load, policy, 1) for load in load_levels for policy in profiles]
+        for policy, options in tried.items():
+            figures = ", ".join(f"{_setting_text(x['setting'])} {x['ttft_p95_s']:.2f} s" for x in options)
+            click.echo(f"  {policy}: chose {_setting_text(chosen[policy])} (TTFT p95: {figures})")
+    combos: list[tuple[float, str, int, str]] = [
+        (load, p, 1, "single") for load in o.loads for p in o.profiles
+    ]
     if ideal > 0:
-        # Several gateways that share no state: what each cache-aware policy loses to them.
-        load = 0.8 if 0.8 in load_levels else load_levels[len(load_levels) // 2]
-        for n in gateway_counts:
-            rows += [row(load, policy, n) for policy in profiles]
-            rows += [row(load, policy, n, "unshared") for policy in profiles if policy in CACHE_AWARE]
+        # Several gateways: sharing the production state, and sharing nothing (what each
+        # cache-aware policy loses without it).
+        load = 0.8 if 0.8 in o.loads else o.loads[len(o.loads) // 2]
+        for n in o.gateway_counts:
+            combos += [(load, p, n, "shared") for p in o.profiles]
+            combos += [(load, p, n, "unshared") for p in o.profiles if p in CACHE_AWARE]
+    jobs = [
+        (load, p, chosen.get(p, {}), s, n, "shared" if sharing == "single" else sharing)
+        for load, p, n, sharing in combos
+        for s in o.seeds
+    ]
+    results = _replays(scored, jobs, preset, o)
+    k = len(o.seeds)
+    rows: list[dict[str, Any]] = []
+    for i, (load, policy, n, sharing) in enumerate(combos):
+        runs = results[i * k : (i + 1) * k]
+        rows.append(_row(preset, name, source, load, policy, n, sharing, runs, scored, o, chosen, tuning))
+        rows[-1].update(ideal_hit_ratio=ideal, capacity_hit_ratio=bound, belady_hit_ratio=clairvoyant)
+    _verdicts(rows)
     _print(rows, preset, name)
     return rows
+
+
+def _setting_text(setting: Mapping[str, float]) -> str:
+    return "defaults" if not setting else " ".join(f"{k}={v:g}" for k, v in setting.items())
+
+
+def _row(
+    preset: str,
+    name: str,
+    source: str,
+    load: float,
+    policy: str,
+    gateways: int,
+    sharing: str,
+    runs: list[dict[str, Any]],
+    part: _Part,
+    o: _Options,
+    chosen: Mapping[str, Mapping[str, float]],
+    tuning: _Part | None,
+) -> dict[str, Any]:
+    p95 = [m["ttft_p95_s"] for m in runs]
+    hit = [m["prefix_hit_ratio"] for m in runs]
+    _, p95_lo, p95_hi = mean_ci95(p95)
+    _, hit_lo, hit_hi = mean_ci95(hit)
+    scale = part.scale(load)
+    row: dict[str, Any] = {
+        "preset": preset,
+        "trace": name,
+        "load": load,
+        "policy": policy,
+        "gateways": gateways,
+        "sharing": sharing,
+        "kv_events": o.kv_events and sharing != "unshared",
+        **{f: statistics.fmean(m[f] for m in runs) for f in _MEAN_FIELDS},
+        "seeds": len(runs),
+        "ttft_p95_ci95_s": [p95_lo, p95_hi],
+        "hit_ratio_ci95": [hit_lo, hit_hi],
+        "ttft_p95_by_seed": p95,
+        "signal_staleness_s": SIGNALS[policy][0],
+        "signals": SIGNALS[policy][1],
+        "tuned_params": dict(chosen.get(policy, {})) if policy in TUNING else {},
+        "tuned_on": None if tuning is None else f"the {len(tuning.workload)} requests before the scored ones",
+        "requests": runs[0]["served"],
+        "refused": sum(m["refused"] for m in runs),
+        "capacity_req_s": part.capacity,
+        "load_basis": o.load_basis,
+        "mean_load": part.natural_rate / scale / part.capacity if part.capacity > 0 else 0.0,
+        "peak_load": part.busiest / scale / part.capacity if part.capacity > 0 else 0.0,
+        "source": source,
+        "sim_wall_s": round(sum(m["wall_s"] for m in runs), 2),
+    }
+    return row
+
+
+def _verdicts(rows: list[dict[str, Any]]) -> None:
+    """Each ``tidal`` row's ``verdict`` against the other policies of its load and gateways."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["load"], r["gateways"], r["sharing"]), []).append(r)
+    for group in groups.values():
+        for r in group:
+            if r["policy"] == "tidal":
+                others = {x["policy"]: x["ttft_p95_by_seed"] for x in group if x is not r}
+                r["verdict"] = verdict(r["ttft_p95_by_seed"], others)
+
+
+def _ci_ms(r: dict[str, Any]) -> str:
+    lo, hi = r["ttft_p95_ci95_s"]
+    if r["seeds"] < 2 or math.isnan(lo):
+        return _fmt_ms(r["ttft_p95_s"])
+    return f"{_fmt_ms(r['ttft_p95_s'])} ±{(hi - lo) / 2 * 1000:.0f}"
+
+
+def _ci_hit(r: dict[str, Any]) -> str:
+    lo, hi = r["hit_ratio_ci95"]
+    if r["seeds"] < 2 or math.isnan(lo):
+        return f"{r['prefix_hit_ratio']:.3f}"
+    return f"{r['prefix_hit_ratio']:.3f} ±{(hi - lo) / 2:.3f}"
 
 
 def _print(rows: list[dict[str, Any]], preset: str, trace: str) -> None:
@@ -864,27 +1235,25 @@ def _print(rows: list[dict[str, Any]], preset: str, trace: str) -> None:
         first = at[0]
         click.echo(
             f"\n{trace} at {load:.0%} load ({first['load_basis']} basis: {first['mean_load']:.0%} of capacity "
-            f"by the mean rate, {first['peak_load']:.0%} in the busiest {PEAK_WINDOW_S:.0f} s; TTFT/TPOT in "
-            "ms; x RR = TTFT p95 / round robin's; of_ideal, of_capacity = hit / its bound)"
+            f"by the mean rate, {first['peak_load']:.0%} in the busiest {PEAK_WINDOW_S:.0f} s; means of "
+            f"{first['seeds']} seeds, ± the 95% interval's half-width; TTFT/TPOT in ms; x RR = TTFT p95 / "
+            "round robin's; of_ideal = hit / the ideal's; verdict: tidal's TTFT p95 interval against the others')"
         )
         table = [
             {
                 "policy": r["policy"],
                 "ttft_p50": _fmt_ms(r["ttft_p50_s"]),
-                "ttft_p95": _fmt_ms(r["ttft_p95_s"]),
+                "ttft_p95": _ci_ms(r),
                 "ttft_p99": _fmt_ms(r["ttft_p99_s"]),
                 "x_rr": f"{r['ttft_p95_s'] / rr['ttft_p95_s']:.2f}" if rr and rr["ttft_p95_s"] > 0 else "-",
-                "tpot_p50": _fmt_ms(r["tpot_p50_s"]),
                 "tpot_p95": _fmt_ms(r["tpot_p95_s"]),
-                "hit": f"{r['prefix_hit_ratio']:.3f}",
+                "hit": _ci_hit(r),
                 "of_ideal": f"{r['prefix_hit_ratio'] / r['ideal_hit_ratio']:.0%}"
                 if r["ideal_hit_ratio"] > 0
                 else "-",
-                "of_capacity": f"{r['prefix_hit_ratio'] / r['capacity_hit_ratio']:.0%}"
-                if r["capacity_hit_ratio"] > 0
-                else "-",
                 "tok_s": f"{r['throughput_tok_s']:.0f}",
                 "imbalance": f"{r['imbalance']:.2f}",
+                "verdict": r.get("verdict", ""),
             }
             for r in at
         ]
@@ -906,17 +1275,20 @@ def _print(rows: list[dict[str, Any]], preset: str, trace: str) -> None:
                     "policy": r["policy"],
                     "gateways": r["gateways"],
                     "sharing": r["sharing"],
-                    "ttft_p95": _fmt_ms(r["ttft_p95_s"]),
+                    "ttft_p95": _ci_ms(r),
                     "x_rr": f"{r['ttft_p95_s'] / rr['ttft_p95_s']:.2f}"
                     if rr and rr["ttft_p95_s"] > 0
                     else "-",
                     "ttft_vs_one": f"{r['ttft_p95_s'] / base['ttft_p95_s']:.2f}" if base else "-",
-                    "hit": f"{r['prefix_hit_ratio']:.3f}",
-                    "of_ideal": f"{r['prefix_hit_ratio'] / r['ideal_hit_ratio']:.0%}",
+                    "hit": _ci_hit(r),
+                    "of_ideal": f"{r['prefix_hit_ratio'] / r['ideal_hit_ratio']:.0%}"
+                    if r["ideal_hit_ratio"] > 0
+                    else "-",
                     "hit_vs_one": f"{r['prefix_hit_ratio'] / base['prefix_hit_ratio'] - 1:+.1%}"
                     if base and base["prefix_hit_ratio"] > 0
                     else "-",
                     "tpot_p95": _fmt_ms(r["tpot_p95_s"]),
+                    "verdict": r.get("verdict", ""),
                 }
             )
         print_table(table)

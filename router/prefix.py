@@ -16,10 +16,14 @@ Two views of a prompt's prefix:
   cache indexes (llm-d's prefix scorer, SGLang's tree) match on these. Chat prompts are cut into
   64-character pieces (about 16 tokens, llm-d's default).
 
+The gateway reads a chat request through :func:`chat_view` (its size for the token estimate,
+its key, its blocks); the routing benchmark reads the messages it synthesises for a trace
+through the same function, so the router sees in both what it sees live.
+
 Example::
 
-    key = chat_prefix_key(body["messages"], body.get("tools"))
-    blocks = text_blocks(render_messages(body["messages"]))
+    view = chat_view(body["messages"], body.get("tools"))
+    view.size, view.prefix_key, view.blocks
 """
 
 from __future__ import annotations
@@ -27,20 +31,24 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "BLOCK_CHARS",
+    "MAX_BLOCKS",
+    "ChatView",
     "blocks_prefix_key",
     "chain_blocks",
     "chat_prefix_key",
+    "chat_view",
     "completion_prefix_key",
     "render_messages",
     "text_blocks",
 ]
 
 BLOCK_CHARS = 64
-_MAX_BLOCKS = 256
+MAX_BLOCKS = 256  # llm-d's cap: 256 x 64 characters, about 4K tokens of a prompt
 _SEP = b"\x1f"
 
 
@@ -120,7 +128,7 @@ def chain_blocks(pieces: Iterable[bytes]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def text_blocks(text: str, block_chars: int = BLOCK_CHARS, max_blocks: int = _MAX_BLOCKS) -> tuple[int, ...]:
+def text_blocks(text: str, block_chars: int = BLOCK_CHARS, max_blocks: int = MAX_BLOCKS) -> tuple[int, ...]:
     """Chained hashes of the text's full ``block_chars`` pieces (at most ``max_blocks``)."""
     data = text.encode()
     n = min(len(data) // block_chars, max_blocks)
@@ -132,3 +140,25 @@ def blocks_prefix_key(block_ids: Sequence[int], k: int) -> int | None:
     if not block_ids or k <= 0:
         return None
     return _h(json.dumps(list(block_ids[:k])).encode())
+
+
+@dataclass(frozen=True, slots=True)
+class ChatView:
+    """What routing reads of a chat request: ``size`` (UTF-8 bytes of the messages' text and
+    the tools, for the token estimate), the stable ``prefix_key`` and the ``blocks``."""
+
+    size: int
+    prefix_key: int | None
+    blocks: tuple[int, ...]
+
+
+def chat_view(
+    messages: Sequence[Any], tools: Any = None, *, blocks: bool = True, max_blocks: int = MAX_BLOCKS
+) -> ChatView:
+    """The gateway's view of a chat request; ``blocks=False`` skips the block hashes (no
+    producer of the routing profile reads them)."""
+    size = sum(len(_content_text(m.get("content")).encode()) for m in messages if isinstance(m, dict))
+    if tools:
+        size += len(json.dumps(tools, sort_keys=True, default=str).encode())
+    hashed = text_blocks(render_messages(messages), max_blocks=max_blocks) if blocks else ()
+    return ChatView(size, chat_prefix_key(messages, tools), hashed)

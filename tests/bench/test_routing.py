@@ -19,15 +19,20 @@ from bench.routing import (
     VirtualLoadBoard,
     VirtualLoadStore,
     bench_fleet,
+    mean_ci95,
     peak_rate,
     replay,
     run,
+    settings,
     trace_token_ids,
+    variant,
+    verdict,
 )
 from bench.traces import TraceRequest, block_hashes, synthetic_workload
 from replicas.sim.virtual import SimRequest, VirtualCluster
 from replicas.wire.kv_events import KVCacheEvent
 from router.kv_events import PromptKeys
+from router.loader import build_router
 
 COLUMNS = {
     "trace",
@@ -63,8 +68,17 @@ def _mooncake_file(tmp_path: Path) -> Path:
 
 
 def _run_tiny(tmp_path: Path, **options: str) -> list[dict[str, Any]]:
-    """The quick benchmark on the tiny trace at 50% load (``options`` as on the command line)."""
-    options = {"loads": "0.5", "policies": "tidal,round_robin", "replicas": "4", **options}
+    """The quick benchmark on the tiny trace at 50% load (``options`` as on the command line;
+    one seed, no tuning, in this process unless they say otherwise)."""
+    options = {
+        "loads": "0.5",
+        "policies": "tidal,round_robin",
+        "replicas": "4",
+        "seeds": "1",
+        "tune": "off",
+        "jobs": "1",
+        **options,
+    }
     return run(quick=True, out_dir=tmp_path, trace=str(_mooncake_file(tmp_path)), **options)
 
 
@@ -106,7 +120,17 @@ def test_an_azure_csv_runs_too(tmp_path: Path) -> None:
     ]
     path = tmp_path / "azure_tiny.csv"
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
-    out = run(quick=True, out_dir=tmp_path, trace=str(path), loads="0.5", policies="tidal", replicas="2")
+    out = run(
+        quick=True,
+        out_dir=tmp_path,
+        trace=str(path),
+        loads="0.5",
+        policies="tidal",
+        replicas="2",
+        seeds="1",
+        tune="off",
+        jobs="1",
+    )
     assert len(out) == 1 and out[0]["trace"] == "azure_tiny.csv" and out[0]["requests"] == 80
     # No prefix information: nothing to hit, and no bound says otherwise.
     assert out[0]["ideal_hit_ratio"] == out[0]["capacity_hit_ratio"] == 0.0
@@ -249,3 +273,98 @@ def test_every_gateway_follows_the_replicas_kv_events_after_their_latency() -> N
     assert len(kv2.indexes[0]) == 0
     cluster2.run(until=first + KV_EVENT_LATENCY_S)
     assert len(kv2.indexes[0]) > 0
+
+
+def test_every_row_is_a_mean_over_seeds_with_its_interval_and_tidals_verdict(tmp_path: Path) -> None:
+    rows = _run_tiny(tmp_path, seeds="3")
+    for r in rows:
+        assert r["seeds"] == 3 and len(r["ttft_p95_by_seed"]) == 3
+        lo, hi = r["ttft_p95_ci95_s"]
+        assert lo <= r["ttft_p95_s"] <= hi
+        assert r["ttft_p95_s"] == pytest.approx(sum(r["ttft_p95_by_seed"]) / 3)
+        lo, hi = r["hit_ratio_ci95"]
+        assert lo <= r["prefix_hit_ratio"] <= hi
+    tidal, rr = rows
+    assert tidal["verdict"] in ("best", "tie", "behind") and "verdict" not in rr
+    # The seeds jitter the arrivals: the runs differ.
+    assert len(set(rr["ttft_p95_by_seed"])) > 1 or len(set(tidal["ttft_p95_by_seed"])) > 1
+
+
+def test_a_verdict_of_best_needs_an_interval_below_the_next_policys() -> None:
+    assert mean_ci95([1.0, 2.0, 3.0]) == pytest.approx((2.0, 2.0 - 4.303 / 3**0.5, 2.0 + 4.303 / 3**0.5))
+    assert mean_ci95([2.5]) == (2.5, 2.5, 2.5)
+    assert verdict([1.0, 1.1, 1.05], {"a": [2.0, 2.1, 2.05], "b": [3.0, 3.1, 2.9]}) == "best"
+    assert verdict([1.0, 1.1, 1.05], {"a": [0.5, 1.6, 1.05]}) == "tie"  # lower mean, but overlapping
+    assert verdict([2.0, 2.1, 2.05], {"a": [1.0, 1.1, 1.05], "b": [3.0, 3.1, 2.9]}) == "behind"
+
+
+def test_parameters_are_tuned_on_requests_that_are_not_scored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bench.routing as routing
+
+    seen: list[tuple[str, dict[str, float], float, frozenset[int]]] = []
+    real = routing.replay
+
+    def spy(workload: Any, policy: str, **kw: Any) -> dict[str, Any]:
+        ids = frozenset(hash((r.input_length, r.hash_ids)) for r in workload)
+        seen.append((policy, dict(kw.get("setting") or {}), kw["scale"], ids))
+        return real(workload, policy, **kw)
+
+    monkeypatch.setattr(routing, "replay", spy)
+    rows = _run_tiny(tmp_path, tune="on", policies="tidal,sglang_cache_aware,round_robin")
+    tuned = {r["policy"]: r["tuned_params"] for r in rows}
+    assert tuned["tidal"] in settings("tidal") and tuned["sglang_cache_aware"] in settings(
+        "sglang_cache_aware"
+    )
+    assert tuned["round_robin"] == {} and all(r["tuned_on"] for r in rows)
+    # Every grid point of each tunable policy was tried, with the same budget.
+    tried = {(p, tuple(sorted(st.items()))) for p, st, _, _ in seen if p != "round_robin"}
+    assert len(tried) == len(settings("tidal")) + len(settings("sglang_cache_aware")) == 8
+    # The settings not chosen ran only in tuning; round robin (not tuned) only where it is scored.
+    tuning = {
+        ids for p, st, _, ids in seen if p == "sglang_cache_aware" and st != tuned["sglang_cache_aware"]
+    }
+    scored = {ids for p, _, scale, ids in seen if p == "round_robin" and scale > 0}
+    assert tuning and scored
+    for a in scored:
+        for b in tuning:
+            assert not a & b
+
+
+def test_a_tuned_setting_reaches_the_router() -> None:
+    name, spec = variant("sglang_cache_aware", {"cache-aware-scorer.cache_threshold": 0.5})
+    router = build_router(bench_fleet(2, router=spec).router, seed=0)
+    ((scorer, _),) = router.profiles[name].scorers
+    assert scorer.params.cache_threshold == 0.5
+    assert variant("tidal", {}) == ("tidal", None)
+
+
+def test_llm_d_reads_metrics_every_50_ms_and_tidal_at_the_gateways_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from router.registry import ReplicaRegistry
+
+    calls: list[int] = []
+    real = ReplicaRegistry.update_snapshot
+
+    def count(self: ReplicaRegistry, *a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(ReplicaRegistry, "update_snapshot", count)
+    workload = synthetic_workload(duration_s=60, rate_per_s=1.0, seed=3)
+    per_policy = {}
+    for policy in ("llm_d", "tidal"):
+        calls.clear()
+        replay(workload, policy, scale=1.0, replicas=2)
+        per_policy[policy] = len(calls)
+    # 20 x as often while requests are out (both scrape once more when a request finds them idle).
+    assert per_policy["llm_d"] > 10 * per_policy["tidal"]
+
+
+def test_replayed_turns_carry_their_conversations_session() -> None:
+    workload = synthetic_workload(duration_s=300, rate_per_s=2.0, seed=1)
+    result = replay(workload, "tidal", scale=1.0, replicas=4)
+    assert result["session_share"] > 0.3  # later turns of a conversation
+    assert result["session_stay"] > 0.8  # and the live profile keeps them where their history is

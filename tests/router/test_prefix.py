@@ -5,6 +5,7 @@ from __future__ import annotations
 from router.prefix import (
     blocks_prefix_key,
     chat_prefix_key,
+    chat_view,
     completion_prefix_key,
     render_messages,
     text_blocks,
@@ -49,3 +50,16 @@ def test_completion_and_trace_keys() -> None:
     assert blocks_prefix_key([0, 14, 15], 2) == blocks_prefix_key([0, 14, 99], 2)
     assert blocks_prefix_key([0, 14, 15], 2) != blocks_prefix_key([0, 28, 15], 2)
     assert blocks_prefix_key([], 2) is None
+
+
+def test_chat_view_is_the_size_key_and_blocks_the_gateway_routes_on() -> None:
+    messages = [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "é" * 100}]}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    view = chat_view(messages, tools)
+    assert view.size == len(SYSTEM["content"]) + 200 + len(
+        '[{"function": {"name": "f"}, "type": "function"}]'
+    )
+    assert view.prefix_key == chat_prefix_key(messages, tools)
+    assert view.blocks == text_blocks(render_messages(messages)) and len(view.blocks) == 245 // 64
+    assert chat_view(messages, tools, blocks=False).blocks == ()
+    assert chat_view(messages, max_blocks=2).blocks == view.blocks[:2]
