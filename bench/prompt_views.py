@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from bench.traces import TraceRequest
 from priority.features import estimate_tokens
-from router.prefix import chat_view
+from router.prefix import MAX_BLOCKS, chat_view
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -135,15 +135,14 @@ def prepare_views(workload: Sequence[TraceRequest]) -> list[RouteView]:
     views: list[RouteView] = []
     for i, req in enumerate(workload):
         messages = trace_messages(req, bounds[i], unique=i)
-        full = chat_view(messages, max_blocks=_UNCAPPED)
-        live = chat_view(messages)
-        assert live.blocks == full.blocks[: len(live.blocks)] and live.prefix_key == full.prefix_key
+        # Blocks are chained, so the gateway's capped blocks are the first MAX_BLOCKS of these.
+        view = chat_view(messages, max_blocks=_UNCAPPED)
         views.append(
             RouteView(
-                live.prefix_key,
-                array("Q", live.blocks),
-                array("Q", full.blocks),
-                estimate_tokens(live.size),
+                view.prefix_key,
+                array("Q", view.blocks[:MAX_BLOCKS]),
+                array("Q", view.blocks),
+                estimate_tokens(view.size),
                 sessions[i],
             )
         )

@@ -182,7 +182,8 @@ PEAK_WINDOW_S = 300.0
 # What each policy's live system routes on, and the age of its stalest signal: llm-d's endpoint
 # picker refreshes every replica's metrics every 50 ms (its --refresh-metrics-interval default);
 # SGLang's router balances on its own in-flight counts; tidal reads the gateway's counts, the KV
-# events and /metrics at the live gateway's scrape interval. Printed in each table's setup line.
+# events and /metrics at the live gateway's scrape interval. The age is the policy's scrape
+# interval where it reads /metrics (0: no scraped signal). Printed in each table's setup line.
 SIGNALS: dict[str, tuple[float, str]] = {
     "tidal": (
         SCRAPE_INTERVAL_S,
@@ -194,8 +195,6 @@ SIGNALS: dict[str, tuple[float, str]] = {
     "sglang_cache_aware": (0.0, "its own in-flight counts"),
     "llm_d": (0.05, "/metrics every 50 ms"),
 }
-# How often each policy's gateway scrapes /metrics (the others read no scraped signal).
-SCRAPE_S = {"tidal": SCRAPE_INTERVAL_S, "llm_d": 0.05}
 # The policies that index the whole prompt (SGLang's character tree); the others read the live
 # gateway's view, capped at 256 blocks of 64 characters as llm-d's prefix plugin is
 # (:mod:`bench.prompt_views`).
@@ -761,7 +760,7 @@ def replay(
     built-in profile ``policy`` with its parameters set as ``setting`` says (:func:`variant`);
     the measured figures of one run. ``views``: each request as the live routers read it
     (:func:`bench.prompt_views.prepare_views` of ``workload`` when not given); the policy's gateway
-    scrapes /metrics as its live system does (:data:`SCRAPE_S`). Latencies leave out the requests that arrived
+    scrapes /metrics as often as its live system does (:data:`SIGNALS`). Latencies leave out the requests that arrived
     in the first ``warmup`` share of the replay (while the caps converge from their start value).
     With ``gateways`` > 1, that many gateways share the replicas, and each request goes to one
     of them at random; with ``sharing`` ``"shared"`` they share load through the shared state
@@ -794,7 +793,7 @@ def replay(
             fleet,
             profile,
             seed=seed + i,
-            scrape_s=SCRAPE_S.get(policy, SCRAPE_INTERVAL_S),
+            scrape_s=SIGNALS[policy][0] or SCRAPE_INTERVAL_S,  # policies on no scraped signal: the default
             full_view=policy in FULL_VIEW,
             number=i,
             store=VirtualLoadStore(board, f"gw{i}") if board is not None else None,

@@ -9,8 +9,7 @@ Two views of a prompt's prefix:
   block), a key made of it alone sends all traffic to one ring position and the bounded-load walk
   then scatters it without locality. Adding the first user turn gives each conversation its own
   position, so every later turn of it (which repeats the history) lands where its prefix is
-  cached, while the shared system prompt is cached once per replica. For token-level traces the
-  key is the first ``k`` blocks (:func:`blocks_prefix_key`); the routing benchmark measures k.
+  cached, while the shared system prompt is cached once per replica.
 * **prefix blocks** -- chained hashes of consecutive fixed-size pieces of the prompt, so that two
   prompts sharing their first ``k`` pieces share their first ``k`` block hashes. Approximate
   cache indexes (llm-d's prefix scorer, SGLang's tree) match on these. Chat prompts are cut into
@@ -38,7 +37,6 @@ __all__ = [
     "BLOCK_CHARS",
     "MAX_BLOCKS",
     "ChatView",
-    "blocks_prefix_key",
     "chain_blocks",
     "chat_prefix_key",
     "chat_view",
@@ -133,13 +131,6 @@ def text_blocks(text: str, block_chars: int = BLOCK_CHARS, max_blocks: int = MAX
     data = text.encode()
     n = min(len(data) // block_chars, max_blocks)
     return chain_blocks(data[i * block_chars : (i + 1) * block_chars] for i in range(n))
-
-
-def blocks_prefix_key(block_ids: Sequence[int], k: int) -> int | None:
-    """The stable key of a token-level trace request: its first ``k`` (already chained) block ids."""
-    if not block_ids or k <= 0:
-        return None
-    return _h(json.dumps(list(block_ids[:k])).encode())
 
 
 @dataclass(frozen=True, slots=True)

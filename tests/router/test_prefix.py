@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from router.prefix import (
-    blocks_prefix_key,
     chat_prefix_key,
     chat_view,
     completion_prefix_key,
@@ -43,13 +42,10 @@ def test_blocks_chain_so_shared_prefixes_share_leading_hashes() -> None:
     assert "system\nYou are" in render_messages([SYSTEM])
 
 
-def test_completion_and_trace_keys() -> None:
+def test_completion_keys() -> None:
     assert completion_prefix_key("abc" * 1000) == completion_prefix_key("abc" * 1000 + "tail")
     assert completion_prefix_key("") is None
     assert completion_prefix_key([1, 2, 3]) == completion_prefix_key([1, 2, 3])
-    assert blocks_prefix_key([0, 14, 15], 2) == blocks_prefix_key([0, 14, 99], 2)
-    assert blocks_prefix_key([0, 14, 15], 2) != blocks_prefix_key([0, 28, 15], 2)
-    assert blocks_prefix_key([], 2) is None
 
 
 def test_chat_view_is_the_size_key_and_blocks_the_gateway_routes_on() -> None:
