@@ -1,7 +1,8 @@
 """Benchmarks: each measures speed or scale against a baseline measured in the same run.
 
 ``tidal bench NAME [--quick]`` runs one; it prints a table and writes ``bench/results/NAME.json``.
-Benchmarks register here by name; each module exposes ``run(quick: bool, out_dir: Path, **options) -> list[dict]``.
+Benchmarks register here by name; each module exposes ``run(quick: bool, out_dir: Path, **options)
+-> list[dict]`` whose keyword parameters are its options (``tidal bench`` refuses any other).
 """
 
 from __future__ import annotations

@@ -826,12 +826,9 @@ def run(
     fleet_model: str = "sim",
     capacity_rps: str | float = 8.0,
     days: str | float = 7.0,
-    **options: Any,
 ) -> list[dict[str, Any]]:
     """Each policy over the synthetic week and, with ``--trace``, the trace-shaped week: one row
     per workload and policy (the buffered-reactive row is a reference)."""
-    if options:
-        raise ValueError(f"unknown options: {', '.join('--' + k.replace('_', '-') for k in options)}")
     if fleet_model not in ("sim", "analytic"):
         raise ValueError(f"--fleet-model must be sim or analytic, not {fleet_model!r}")
     # A week of decisions would log thousands of scale changes; the table says what matters.

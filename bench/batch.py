@@ -341,31 +341,46 @@ def _dispatch(tier: _Tier, chunks: int, model: str) -> tuple[float, float]:
     return published / t_pub, chunks / t_all
 
 
-def run(quick: bool, out_dir: Path, **options: Any) -> list[dict[str, Any]]:
+def run(
+    quick: bool,
+    out_dir: Path,
+    requests: str | int | None = None,
+    model: str = "llama-3.1-70b",
+    preset: str = PRESET,
+    max_num_seqs: str | int = 256,
+    time_scale: str | float | None = None,
+    chunk_lines: str | int = 64,
+    dispatch_chunks: str | int | None = None,
+    seed: str | int = 0,
+    trace: str | None = None,
+    replicas: str | None = None,
+) -> list[dict[str, Any]]:
+    """Rows ``direct`` and ``tidal``; ``replicas`` (comma-separated URLs) measures running replicas
+    instead of starting simulated ones (their ``time_scale`` is then only known if given: 1 otherwise)."""
     from tidal.cli.bench import print_table
 
-    n = int(options.get("requests", 600 if quick else 3000))
-    model = str(options.get("model", "llama-3.1-70b"))
-    preset = str(options.get("preset", PRESET))
-    max_num_seqs = int(options.get("max_num_seqs", 256))
+    n = int(requests) if requests is not None else (600 if quick else 3000)
+    model = str(model)
+    preset = str(preset)
+    max_num_seqs = int(max_num_seqs)
     # 1.0: at higher scales the simulators become CPU-bound on a small machine and measure it.
-    time_scale = float(options.get("time_scale", 1.0))
-    chunk_lines = int(options.get("chunk_lines", 64))
-    dispatch_chunks = int(options.get("dispatch_chunks", 300 if quick else 1500))
-    seed = int(options.get("seed", 0))
-    workload = load_workload(n, trace=options.get("trace"), seed=seed)
+    time_scale = float(time_scale) if time_scale is not None else 1.0
+    chunk_lines = int(chunk_lines)
+    dispatch_chunks = int(dispatch_chunks) if dispatch_chunks is not None else (300 if quick else 1500)
+    seed = int(seed)
+    workload = load_workload(n, trace=trace, seed=seed)
     bodies = {
         run: [_body(i, p, o, model, run) for i, (p, o) in enumerate(workload.requests)]
         for run in ("direct", "tidal")
     }
     print(f"workload: {n} requests, {workload.source}")
-    given = options.get("replicas")
+    given = replicas
     with tempfile.TemporaryDirectory(prefix="tidal-bench-batch-") as tmpdir, contextlib.ExitStack() as stack:
         tmp = Path(tmpdir)
         if given:
             urls = [u.strip() for u in str(given).split(",") if u.strip()]
             # Running replicas: their time scale is only known if given (else wall seconds).
-            scale = float(options["time_scale"]) if "time_scale" in options else 1.0
+            scale = time_scale
             roots = asyncio.run(_roots(urls))
             replicas_desc = (
                 f"{len(urls)} given replicas ({', '.join(sorted(set(roots)))}), time scale {scale:g}"

@@ -89,9 +89,8 @@ def _messages(target_tokens: int, tok: SimTokenizer) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": "Where is order 4417?"}]
 
 
-def _tokenizers(options: dict[str, Any]) -> list[tuple[str, SimTokenizer]]:
+def _tokenizers(path: str | None) -> list[tuple[str, SimTokenizer]]:
     out: list[tuple[str, SimTokenizer]] = [("sim", WordTokenizer())]
-    path = options.get("tokenizer")
     if path is None:
         cache = (
             Path(os.environ.get("TIDAL_TEST_CACHE", Path.home() / ".cache" / "tidal-tests"))
@@ -106,11 +105,13 @@ def _tokenizers(options: dict[str, Any]) -> list[tuple[str, SimTokenizer]]:
     return out
 
 
-def run(quick: bool, out_dir: Path, **options: Any) -> list[dict[str, Any]]:
+def run(quick: bool, out_dir: Path, tokenizer: str | None = None) -> list[dict[str, Any]]:
+    """Rows per tokenizer, prompt size and block size; ``tokenizer`` is a Hugging Face tokenizer
+    directory (default: the test suite's tiny model when it was built)."""
     reps = 20 if quick else 200
     hasher = BlockHasher("sha256")
     rows: list[dict[str, Any]] = []
-    for tname, tok in _tokenizers(options):
+    for tname, tok in _tokenizers(tokenizer):
         for target in (1024, 4096, 16384):
             msgs = _messages(target, tok)
             text = tok.render_chat(msgs)

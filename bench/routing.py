@@ -73,7 +73,7 @@ to one of them at random, as an L4 balancer would. They share what production ga
 not yet prefilled per replica, its queue, one adaptive cap per replica -- through the product's
 own sync loop (:class:`~router.shared.SharedLoad`, every ``gateway.shared_state_interval_s``,
 50 ms, at a random phase per gateway) on a :class:`VirtualLoadBoard` standing in for Redis, where
-a publication reaches the others' reads one round trip later (``STORE_RTT_S`` = 10 ms: the README's
+a publication reaches the others' reads one round trip later (``STORE_RTT_S`` = 10 ms: the
 measured staleness, 0.03-0.12 s through three gateways, is at most two intervals plus two round
 trips), and the KV events above. The cache-aware profiles are also replayed through gateways that
 share nothing (``sharing: unshared``, no KV events: each its own registry, in-flight counts, caps,
@@ -328,8 +328,8 @@ class VirtualClock:
 # -- the production sharing, in virtual time ---------------------------------------------------------
 
 # Redis's round trip as the gateways measured it: another gateway's change is seen within two sync
-# intervals plus two round trips, measured 0.03-0.12 s through three gateways (README, "Several
-# gateways"), so with the 50 ms interval the round trip is (0.12 - 2 x 0.05) / 2 = 10 ms.
+# intervals plus two round trips, measured 0.03-0.12 s through three gateways (docs/gateway.md,
+# "Several gateways"), so with the 50 ms interval the round trip is (0.12 - 2 x 0.05) / 2 = 10 ms.
 STORE_RTT_S = 0.010
 # A replica's KV events reach the gateways one engine step after the change (one batch per step,
 # as vLLM publishes), then over ZMQ PUB/SUB on the private network, and are decoded: 5 ms, well

@@ -113,18 +113,30 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(quick: bool, out_dir: Path, **options: Any) -> list[dict[str, Any]]:
+def run(
+    quick: bool,
+    out_dir: Path,
+    preset: str = "llama-3.1-70b-fp8-h200-tp4",
+    replicas: str | int = 8,
+    seed: str | int = 0,
+    until: str | float | None = None,
+    baseline_s: str | float | None = None,
+    trace: str | None = None,
+    no_realtime: bool = False,
+    realtime_preset: str = "llama-3.1-70b-fp8-h200-tp4",
+    streams: str | int = 256,
+) -> list[dict[str, Any]]:
     """The benchmark entry point (``tidal bench sim [--quick] [--trace F] [--replicas N] ...``)."""
     from tidal.cli.bench import print_table
 
-    preset = str(options.get("preset", "llama-3.1-70b-fp8-h200-tp4"))
-    replicas = int(options.get("replicas", 8))
-    seed = int(options.get("seed", 0))
-    until = float(options["until"]) if "until" in options else (600.0 if quick else None)
-    baseline_s = float(options.get("baseline_s", 60.0 if quick else 120.0))
+    preset = str(preset)
+    replicas = int(replicas)
+    seed = int(seed)
+    until = float(until) if until is not None else (600.0 if quick else None)
+    baseline_s = float(baseline_s) if baseline_s is not None else (60.0 if quick else 120.0)
     requests, source = load_default(
         "mooncake_conversation_trace.jsonl",
-        trace=options.get("trace"),
+        trace=trace,
         seed=seed,
         synthetic_duration_s=600.0 if quick else 3600.0,
     )
@@ -179,12 +191,12 @@ def run(quick: bool, out_dir: Path, **options: Any) -> list[dict[str, Any]]:
         f"{full['load_avg_1m']}; {ratio:.1f}x the step-by-step baseline, same results: {same}); "
         f"peak RSS {rows[-1]['peak_rss_mb']} MB"
     )
-    if not options.get("no_realtime"):
+    if not no_realtime:
         from bench.sim_realtime import realtime_check
 
         rt = realtime_check(
-            preset=str(options.get("realtime_preset", "llama-3.1-70b-fp8-h200-tp4")),
-            streams=int(options.get("streams", 256)),
+            preset=str(realtime_preset),
+            streams=int(streams),
             seconds=10.0 if quick else 30.0,
         )
         rows.append(rt)

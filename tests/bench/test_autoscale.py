@@ -200,7 +200,5 @@ def test_the_benchmark_writes_the_contract_rows_for_each_trace_and_a_plot(
     out = capsys.readouterr().out
     assert "synthetic: tidal vs reactive" in out and "bursty: tidal vs reactive" in out
     assert "minute by minute shaped like bursty (59 minutes, cycled)" in out  # the last is partial
-    with pytest.raises(ValueError, match="--bogus"):
-        run(quick=True, out_dir=tmp_path, bogus="1")
     with pytest.raises(ValueError, match="no such file"):
         run(quick=True, out_dir=tmp_path, trace=str(tmp_path / "missing.csv"))

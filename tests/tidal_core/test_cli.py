@@ -57,3 +57,14 @@ def test_fleet_check_names_bad_keys(tmp_path) -> None:  # type: ignore[no-untype
     result = CliRunner().invoke(cli, ["fleet", "check", str(bad)])
     assert result.exit_code == 1
     assert "pools.p.replicas[0].url" in result.output
+
+
+@pytest.mark.parametrize("name", ["autoscale", "batch", "sim", "kv-keys", "router-scale"])
+def test_bench_refuses_an_option_the_benchmark_does_not_take(name: str) -> None:
+    """A misspelt option is an error naming it and the known ones, not silently a default run
+    (and ``--out-dir`` cannot collide with ``--out``)."""
+    for bad in ("--bogus-option", "--out-dir"):
+        result = CliRunner().invoke(cli, ["bench", name, bad, "1"])
+        assert result.exit_code == 2, result.output
+        assert f"unknown option(s) for benchmark '{name}': {bad}" in result.output
+        assert "(known: --" in result.output or "(known: none)" in result.output

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-__all__ = ["bench", "print_table", "write_results"]
+__all__ = ["bench", "bench_options", "print_table", "write_results"]
 
 
 def write_results(name: str, rows: Any, out_dir: Path) -> Path:
@@ -37,6 +39,16 @@ def print_table(rows: list[dict[str, Any]], columns: list[str] | None = None) ->
     click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     for row in cells:
         click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def bench_options(run: Callable[..., Any]) -> list[str]:
+    """The options a benchmark's ``run`` takes besides ``quick`` and ``out_dir`` (as parameter
+    names: ``--max-rss-gb`` is ``max_rss_gb``)."""
+    return [
+        p.name
+        for p in inspect.signature(run).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("quick", "out_dir")
+    ]
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -86,6 +98,13 @@ def bench(ctx: click.Context, name: str | None, quick: bool, out_dir: Path, list
             options[key] = True
     module_name, func = BENCHMARKS[name].split(":")
     run = getattr(importlib.import_module(module_name), func)
+    known = bench_options(run)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise click.UsageError(
+            f"unknown option(s) for benchmark '{name}': {', '.join('--' + k.replace('_', '-') for k in unknown)}"
+            f" (known: {', '.join('--' + k.replace('_', '-') for k in known) or 'none'})"
+        )
     t0 = time.perf_counter()
     rows = run(quick=quick, out_dir=out_dir, **options)
     path = write_results(name, rows, out_dir)
