@@ -166,7 +166,7 @@ class Gateway:
 
 @contextlib.contextmanager
 def run_gateway(
-    tmp_path: Path, fleet: dict[str, Any], env: dict[str, str] | None = None
+    tmp_path: Path, fleet: dict[str, Any], env: dict[str, str] | None = None, log_level: str = "INFO"
 ) -> Iterator[Gateway]:
     """``tidal gateway`` as a subprocess on a free port; stopped on exit."""
     path = tmp_path / f"fleet-{free_port()}.yaml"
@@ -174,7 +174,18 @@ def run_gateway(
     port = free_port()
     proc = ReplicaProcess(
         "gateway",
-        [sys.executable, "-m", "tidal", "gateway", "--config", str(path), "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "tidal",
+            "--log-level",
+            log_level,
+            "gateway",
+            "--config",
+            str(path),
+            "--port",
+            str(port),
+        ],
         port=port,
         env={"TIDAL_ADMIN_KEY": ADMIN_KEY, "TIDAL_DEV_API_KEY": DEV_KEY, **(env or {})},
         log_path=tmp_path / f"gateway-{port}.log",
