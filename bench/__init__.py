@@ -20,4 +20,5 @@ BENCHMARKS: dict[str, str] = {
     "kv-keys": "bench.kv_keys:run",
     "fairness": "bench.fairness:run",
     "router-scale": "bench.router_scale:run",
+    "chaos": "bench.chaos:run",
 }
