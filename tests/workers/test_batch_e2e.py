@@ -7,9 +7,7 @@ output and error files, whatever happened to workers and broker on the way.
 
 from __future__ import annotations
 
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +31,6 @@ from tests.batch_tier import (
     tiny_fleet,
     wait_for,
 )
-from tests.services import in_ci
 from workers.runtime import RUNTIME_REPLICAS_TTL_S
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.vllm]
@@ -147,28 +144,6 @@ def test_workers_killed_mid_chunk_with_sigterm_and_sigkill_lose_nothing(tier: Ba
         _assert_exactly_once(client, final, 2000)
         # And the interrupted chunks were delivered again
         assert max(_chunk_deliveries(tier, batch.id)) >= 2
-
-
-@pytest.mark.slow
-def test_a_rabbitmq_restart_loses_nothing(tier: BatchTier) -> None:
-    ctl = shutil.which("rabbitmqctl")
-    if ctl is None:
-        if in_ci():
-            pytest.fail("rabbitmqctl is needed to restart RabbitMQ under CI", pytrace=False)
-        pytest.skip("rabbitmqctl is not installed")
-    tier.start_worker("reserved", concurrency=4)
-    with tier.gateway() as gw:
-        client = openai_client(gw)
-        batch = _submit(client, chat_lines(2000, max_tokens=16))
-        wait_for(lambda: _done(client, batch.id) >= 300, 60, "work to start")
-        # When the broker restarts while chunks run and wait in the queue
-        subprocess.run([ctl, "stop_app"], check=True, capture_output=True, timeout=60)
-        time.sleep(1.0)
-        subprocess.run([ctl, "start_app"], check=True, capture_output=True, timeout=60)
-        # Then the workers reconnect and the batch completes exactly once
-        final = _wait_final(client, batch.id, timeout=240)
-        assert final.status == "completed"
-        _assert_exactly_once(client, final, 2000)
 
 
 def test_a_higher_priority_batch_submitted_later_finishes_first(tier: BatchTier) -> None:
