@@ -250,7 +250,7 @@ class _Watch:
         """Read one event's JSON: ``"token"`` when it carried output, ``"error"`` for an error."""
         try:
             obj = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: a replica's event nested too deep
             return None
         if not isinstance(obj, dict):
             return None
@@ -376,7 +376,7 @@ async def _send_json(
 def _json_dict(raw: bytes) -> dict[str, Any] | None:
     try:
         parsed = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return parsed if isinstance(parsed, dict) else None
 
@@ -385,7 +385,7 @@ def _upstream_error_body(status: int, raw: bytes) -> dict[str, Any]:
     """A replica's error, reshaped as OpenAI's (vLLM puts the HTTP status in ``code``)."""
     try:
         parsed = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         parsed = None
     err = parsed.get("error") if isinstance(parsed, dict) else None
     if isinstance(err, dict):

@@ -78,7 +78,7 @@ def _check(
 ) -> ParsedLine | None:
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         report.add(no, "invalid_json_line", f"Line {no} is not valid JSON: {str(exc)[:120]}")
         return None
     if not isinstance(obj, dict):

@@ -245,7 +245,7 @@ class ReplicaClient:
         try:
             parsed = json.loads(text) if text else None
             body = parsed if isinstance(parsed, dict) else None
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             body = None
         return error_from_status(resp.status, body, text, self.name)
 
@@ -257,7 +257,7 @@ class ReplicaClient:
             raw = await resp.read()
         try:
             return json.loads(raw) if raw else None
-        except ValueError:
+        except (ValueError, RecursionError):
             return raw.decode(errors="replace")
 
     async def _stream(self, path: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -266,7 +266,7 @@ class ReplicaClient:
             async for data in iter_sse_events(resp.iter_chunks()):
                 try:
                     event = json.loads(data)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:
                     raise ReplicaStreamError(f"bad SSE payload {data[:80]!r}", replica=self.name) from exc
                 if isinstance(event, dict) and "error" in event and "choices" not in event:
                     err = event["error"]

@@ -347,7 +347,7 @@ def _json_or_none(text: str | None) -> dict[str, Any] | None:
         return None
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a replica's answer nested too deep
         return None
     return value if isinstance(value, dict) else None
 

@@ -137,7 +137,7 @@ def read_dataset(
                 break
             try:
                 obj = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested too deep
                 problems.append(f"line {no}: not valid JSON")
                 continue
             if not isinstance(obj, dict):
