@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from collections.abc import Iterator
 
@@ -39,6 +40,10 @@ def batch_errors() -> Iterator[None]:
         yield
     except BatchTierError as exc:
         raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise APIError(507, "The file store is full; try again later.", code="insufficient_storage") from None
 
 
 def install_batch_tier(state: GatewayState) -> None:

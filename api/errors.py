@@ -34,6 +34,7 @@ _TYPES = {
     502: "server_error",
     503: "service_unavailable_error",
     504: "timeout_error",
+    507: "server_error",
 }
 
 

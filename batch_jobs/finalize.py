@@ -106,8 +106,20 @@ def _write_final(
             )
     counts_usage = _usage(store, batch_id)
     now = int(clock.now())
-    output_id = _write_file(store, files, batch, "done", "output", now) if counts_usage[0] else None
-    error_id = _write_file(store, files, batch, "failed", "error", now) if counts_usage[1] else None
+    written: list[str] = []
+    try:
+        output_id = (
+            _write_file(store, files, batch, "done", "output", now, written) if counts_usage[0] else None
+        )
+        error_id = (
+            _write_file(store, files, batch, "failed", "error", now, written) if counts_usage[1] else None
+        )
+    except Exception:
+        # E.g. the file store is full: leave nothing half-written and release the claim now, so
+        # the next sweep tries again as soon as there is room (not once the claim is stale).
+        _discard(store, files, written)
+        _release(store, batch_id, token)
+        raise
     with store.session() as s:
         row = s.exec(select(BatchRecord).where(BatchRecord.id == batch_id)).one()
         if row.final_claim != token:
@@ -182,9 +194,12 @@ def _lines(store: Store, batch: BatchRecord, state: str) -> Iterator[str]:
         last = page[-1].line_no
 
 
-def _write_file(store: Store, files: FileStore, batch: BatchRecord, state: str, kind: str, now: int) -> str:
+def _write_file(
+    store: Store, files: FileStore, batch: BatchRecord, state: str, kind: str, now: int, written: list[str]
+) -> str:
     file_id = new_id("file-")
     rel, size = files.save_lines(batch.tenant, file_id, _lines(store, batch, state))
+    written.append(file_id)
     with store.session() as s:
         s.add(
             FileRecord(
@@ -198,6 +213,31 @@ def _write_file(store: Store, files: FileStore, batch: BatchRecord, state: str, 
             )
         )
     return file_id
+
+
+def _discard(store: Store, files: FileStore, file_ids: list[str]) -> None:
+    """Remove files a failed finalisation wrote (their records and their bytes)."""
+    for file_id in file_ids:
+        with store.session() as s:
+            rec = s.exec(select(FileRecord).where(FileRecord.id == file_id)).first()
+            if rec is None:
+                continue
+            files.delete(rec.path)
+            s.delete(rec)
+
+
+def _release(store: Store, batch_id: str, token: str) -> None:
+    """Give up this finaliser's claim (only ours), back to ``in_progress`` where it was finalising."""
+    with store.session() as s:
+        s.connection().execute(
+            text(
+                """UPDATE tidal_batches
+                      SET final_claim = NULL, final_claimed_at = NULL,
+                          status = CASE WHEN status = 'finalizing' THEN 'in_progress' ELSE status END
+                    WHERE id = :b AND final_claim = :t"""
+            ),
+            {"b": batch_id, "t": token},
+        )
 
 
 def release_stale_claims(store: Store, *, now: float, older_than_s: float = 120.0) -> int:

@@ -4,6 +4,7 @@ in a local directory, on PostgreSQL in its large objects (as a deployment across
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 from collections.abc import Iterator
@@ -247,6 +248,50 @@ async def test_a_dead_finalisers_claim_is_released(svc: BatchService) -> None:
     assert release_stale_claims(svc.store, now=T0) == 1
     assert _sweeper(svc).sweep()["completed"] == 1
     assert svc.get_batch("acme", bid).status == "completed"
+
+
+class _FullAfter:
+    """Wraps a file store: the ``n``-th file written and after fail as a full disk does."""
+
+    def __init__(self, inner: FileStore, n: int) -> None:
+        self.inner, self.left, self.full = inner, n, True
+
+    def save_lines(self, tenant: str, file_id: str, lines: object) -> tuple[str, int]:
+        if self.full and self.left <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.left -= 1
+        return self.inner.save_lines(tenant, file_id, lines)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+async def test_a_full_file_store_at_finalisation_leaves_nothing_and_the_next_sweep_finishes(
+    svc: BatchService,
+) -> None:
+    bid = _create(svc, await _upload(svc, chat_lines(2)))
+    # One line answered, one failed: an output and an error file to write.
+    record_results(svc.store, bid, [_answer(1), LineResult.failure(2, "server_error", "boom")])
+    files_before = {f.id for f in svc.list_files("acme").data}
+    full = _FullAfter(svc.files, 1)  # the output file fits, the error file does not
+    sweeper = BatchMaintenance(svc.store, full, clock=svc.clock, publisher=None)  # type: ignore[arg-type]
+    # When the disk is full: no final status, no file left behind, the claim released at once
+    assert sweeper.sweep()["completed"] == 0
+    batch = svc.get_batch("acme", bid)
+    assert batch.status == "in_progress" and batch.output_file_id is None
+    assert {f.id for f in svc.list_files("acme").data} == files_before
+    with svc.store.session() as s:
+        claim = s.connection().execute(
+            text("SELECT final_claim FROM tidal_batches WHERE id = :b"), {"b": bid}
+        )
+        assert claim.scalar_one() is None
+    # Then, with room again, the next sweep (not one after the stale-claim timeout) completes it
+    full.full = False
+    assert sweeper.sweep()["completed"] == 1
+    batch = svc.get_batch("acme", bid)
+    assert batch.status == "completed"
+    assert [ln["custom_id"] for ln in _file_lines(svc, batch.output_file_id)] == ["r0"]
+    assert [ln["custom_id"] for ln in _file_lines(svc, batch.error_file_id)] == ["r1"]
 
 
 def test_lane_state_and_worker_registry(database_url: str) -> None:
