@@ -21,4 +21,5 @@ BENCHMARKS: dict[str, str] = {
     "fairness": "bench.fairness:run",
     "router-scale": "bench.router_scale:run",
     "chaos": "bench.chaos:run",
+    "soak": "bench.soak:run",
 }

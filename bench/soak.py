@@ -1,0 +1,475 @@
+"""``tidal bench soak``: overload and abuse through the gateway.
+
+Real processes: ``--replicas`` simulated replicas (``tidal sim --preset fast-test`` slowed to
+25 ms steps) behind ``tidal gateway`` with a fixed cap per replica and the interactive class's
+2 s wait budget. The pool's capacity is measured first (closed-loop streams at exactly the cap,
+completed requests per second). Then, the overload for ``--seconds`` and the others for at most
+two minutes each:
+
+1. **1 x capacity**, open loop: the baseline.
+2. **10 x capacity**, open loop: admission must refuse what it cannot serve in time. Every
+   refusal must be a 429 with ``Retry-After`` (there is no external provider to overflow to),
+   no 5xx, the gateway's RSS flat within 10% (from a quarter of the run to its end, after
+   warm-up), and the admitted requests' TTFT p95 within the wait budget plus the TTFT SLO.
+3. **10 x capacity with admission off**: a second gateway on the same replicas whose wait budget
+   is an hour and whose queue is unbounded, to show what the mechanism bounds (a client gives up
+   after 30 s: ``timed_out``).
+4. **Abuse**: 1,000 slow clients (slowloris: a request's headers sent a line every few seconds)
+   and clients posting 64 MiB bodies, while normal clients send 0.5 x capacity: the normal
+   requests must all be answered, with TTFT p95 near the baseline's.
+
+Options: ``--seconds S`` (the overload's length: 600; ``--quick``: 15), ``--replicas N`` (2), ``--slow-clients
+N`` (1000), ``--big-bodies N`` (4 concurrent 64 MiB posters).
+
+Example::
+
+    tidal bench soak --quick
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from priority.window import quantile
+from replicas.launcher import ReplicaProcess, free_port, sim_process
+from tidal.fleet import hash_api_key
+
+__all__ = ["run"]
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "bench-soak-key-0123456789abcdef"
+MODEL = "sim"
+CAP = 2  # in flight per replica
+TOKENS = 32
+WAIT_BUDGET_S = 2.0
+TTFT_SLO_S = 1.0
+CLIENT_TIMEOUT_S = 30.0
+BIG_BODY = 64 * 1024 * 1024
+
+
+def _fleet(urls: list[str], *, admission: bool) -> dict[str, Any]:
+    return {
+        "models": [{"name": MODEL, "max_model_len": 32768}],
+        "pools": {
+            "interactive": {
+                "kind": "interactive",
+                "model": MODEL,
+                "max_inflight_per_replica": CAP,
+                "min_inflight_per_replica": CAP,
+                "replicas": [{"name": f"sim-{i}", "url": u} for i, u in enumerate(urls)],
+            }
+        },
+        "classes": {
+            "interactive": {
+                "priority": 0,
+                "wait_budget_s": WAIT_BUDGET_S if admission else 3600.0,
+                "tpot_slo_s": 0.05,
+                "ttft_slo_s": TTFT_SLO_S,
+            },
+            "batch": {"priority": 100, "wait_budget_s": 3600.0, "tpot_slo_s": 1.0, "ttft_slo_s": 3600.0},
+        },
+        "features": {"default": {"class": "interactive", "context_cap": 32768}},
+        "tenants": [{"name": "bench", "key_hashes": [hash_api_key(KEY)], "features": ["default"]}],
+        "gateway": {"max_queue": 4096 if admission else 1_000_000},
+    }
+
+
+# -- the processes ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Setup:
+    sims: list[ReplicaProcess]
+    gateway: ReplicaProcess
+    unbounded: ReplicaProcess
+
+
+def _gateway(tmp: Path, name: str, fleet: dict[str, Any], pypath: str) -> ReplicaProcess:
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(fleet))
+    port = free_port()
+    return ReplicaProcess(
+        name,
+        [sys.executable, "-m", "tidal", "gateway", "--config", str(path), "--port", str(port)],
+        port=port,
+        env={"TIDAL_ENVIRONMENT": "test", "TIDAL_DATA_DIR": str(tmp / name), "PYTHONPATH": pypath},
+        log_path=tmp / f"{name}.log",
+        health_path="/healthz",
+    )
+
+
+@contextlib.contextmanager
+def _processes(tmp: Path, replicas: int) -> Iterator[_Setup]:
+    pypath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    with contextlib.ExitStack() as stack:
+        sims = [
+            sim_process(
+                "fast-test",
+                name=f"soak-sim-{i}",
+                args=["--served-model-name", MODEL, "--time-scale", "0.04"],
+                log_path=tmp / f"sim-{i}.log",
+                env={"PYTHONPATH": pypath},
+            )
+            for i in range(replicas)
+        ]
+        for s in sims:
+            s.start()
+            stack.callback(s.stop)
+        for s in sims:
+            s.wait_ready(120)
+        urls = [s.url for s in sims]
+        gw = _gateway(tmp, "gateway", _fleet(urls, admission=True), pypath)
+        unbounded = _gateway(tmp, "gateway-unbounded", _fleet(urls, admission=False), pypath)
+        for g in (gw, unbounded):
+            g.start()
+            stack.callback(g.stop)
+        for g in (gw, unbounded):
+            g.wait_ready(60)
+        yield _Setup(sims, gw, unbounded)
+
+
+def _rss(proc: ReplicaProcess) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# -- the clients --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Result:
+    t0: float
+    status: int  # 0: no response (connection error); -1: timed out
+    retry_after: bool = False
+    ttft: float | None = None
+
+
+async def _request(session: aiohttp.ClientSession, url: str, i: int) -> _Result:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"soak {i} {secrets.token_hex(4)}"}],
+        "max_tokens": TOKENS,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    t0 = time.monotonic()
+    try:
+        async with asyncio.timeout(CLIENT_TIMEOUT_S):
+            async with session.post(
+                url + "/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+            ) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    return _Result(t0, resp.status, "Retry-After" in resp.headers)
+                first: float | None = None
+                async for line in resp.content:
+                    if (
+                        first is None
+                        and line.startswith(b"data: {")
+                        and b'"content":"' in line.replace(b'"content":""', b"")
+                    ):
+                        first = time.monotonic() - t0
+                return _Result(t0, 200, ttft=first)
+    except TimeoutError:
+        return _Result(t0, -1)
+    except aiohttp.ClientError:
+        return _Result(t0, 0)
+
+
+async def _open_loop(session: aiohttp.ClientSession, url: str, rate: float, seconds: float) -> list[_Result]:
+    """``rate`` requests per second, evenly spaced, for ``seconds``; waits for every answer."""
+    n = max(1, int(rate * seconds))
+    start = time.monotonic()
+    tasks = []
+    for i in range(n):
+        delay = start + i / rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(_request(session, url, i)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def _closed_loop(
+    session: aiohttp.ClientSession, url: str, workers: int, seconds: float
+) -> list[_Result]:
+    until = time.monotonic() + seconds
+    out: list[_Result] = []
+
+    async def loop(w: int) -> None:
+        i = w
+        while time.monotonic() < until:
+            out.append(await _request(session, url, i))
+            i += workers
+
+    await asyncio.gather(*(loop(w) for w in range(workers)))
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _rss_watch(proc: ReplicaProcess) -> AsyncIterator[list[tuple[float, int]]]:
+    samples: list[tuple[float, int]] = []
+
+    async def watch() -> None:
+        while True:
+            samples.append((time.monotonic(), _rss(proc)))
+            await asyncio.sleep(0.5)
+
+    task = asyncio.create_task(watch())
+    try:
+        yield samples
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _slowloris(host: str, port: int, n: int, stop: asyncio.Event) -> dict[str, int]:
+    """``n`` connections each sending a request's headers a line every few seconds, never ending
+    them; how many the gateway closed before the end."""
+    writers: list[asyncio.StreamWriter] = []
+    opened = 0
+    for _ in range(n):
+        with contextlib.suppress(OSError):
+            _, w = await asyncio.open_connection(host, port)
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n")
+            writers.append(w)
+            opened += 1
+    closed = 0
+    k = 0
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 3.0)
+        k += 1
+        for w in writers:
+            if w.is_closing():
+                continue
+            try:
+                w.write(f"X-Slow-{k}: {k}\r\n".encode())
+                await w.drain()
+            except (OSError, ConnectionError):
+                closed += 1
+                w.close()
+    for w in writers:
+        w.close()
+    return {"slow_clients_opened": opened, "slow_clients_closed_by_gateway": closed}
+
+
+async def _big_bodies(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> list[int]:
+    """Post 64 MiB bodies (streamed, no Content-Length) again and again; the statuses."""
+    statuses: list[int] = []
+    piece = b" " * (1024 * 1024)
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(BIG_BODY // len(piece)):
+            yield piece
+
+    while not stop.is_set():
+        try:
+            async with session.post(
+                url + "/v1/chat/completions",
+                data=body(),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+            ) as resp:
+                await resp.read()
+                statuses.append(resp.status)
+        except aiohttp.ClientError:
+            statuses.append(0)  # the gateway closed the connection while the body was being sent
+        await asyncio.sleep(0.1)
+    return statuses
+
+
+# -- the figures --------------------------------------------------------------------------------
+
+
+def _p(values: list[float], q: float) -> float | None:
+    v = [x for x in values if math.isfinite(x)]
+    return quantile(v, q) if v else None
+
+
+def _phase(
+    name: str, offered_rps: float | None, results: list[_Result], rss: list[tuple[float, int]]
+) -> dict[str, Any]:
+    ok = [r for r in results if r.status == 200]
+    refused = [r for r in results if r.status == 429]
+    rss_start = rss_end = None
+    if rss:
+        t_first, t_last = rss[0][0], rss[-1][0]
+        after_warmup = [b for t, b in rss if t >= t_first + 0.25 * (t_last - t_first)]
+        rss_start, rss_end = after_warmup[0], rss[-1][1]
+    return {
+        "phase": name,
+        "offered_rps": offered_rps,
+        "requests": len(results),
+        "admitted": len(ok),
+        "refused_429": len(refused),
+        "refused_429_without_retry_after": sum(1 for r in refused if not r.retry_after),
+        "server_errors": sum(1 for r in results if r.status >= 500),
+        "other_status": sum(1 for r in results if r.status not in (200, 429) and 0 < r.status < 500),
+        "connection_errors": sum(1 for r in results if r.status == 0),
+        "timed_out": sum(1 for r in results if r.status == -1),
+        "ttft_p50_s": _p([r.ttft for r in ok if r.ttft is not None], 0.5),
+        "ttft_p95_s": _p([r.ttft for r in ok if r.ttft is not None], 0.95),
+        "rss_start_mb": rss_start / 2**20 if rss_start else None,
+        "rss_end_mb": rss_end / 2**20 if rss_end else None,
+        "rss_ratio": rss_end / rss_start if rss_start and rss_end else None,
+    }
+
+
+async def _bench(
+    setup: _Setup, seconds: float, slow_clients: int, big_bodies: int, log: Any
+) -> dict[str, Any]:
+    gw, unbounded = setup.gateway, setup.unbounded
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        # Capacity: closed loop at exactly the pool's cap, after a short warm-up.
+        slots = CAP * len(setup.sims)
+        await _closed_loop(session, gw.url, slots, 3.0)
+        t0 = time.monotonic()
+        measured = await _closed_loop(session, gw.url, slots, max(8.0, min(seconds / 4, 30.0)))
+        capacity = sum(1 for r in measured if r.status == 200) / (time.monotonic() - t0)
+        log(f"capacity: {capacity:.2f} requests/s ({slots} slots)")
+
+        # The overload runs the whole ``seconds``; the phases beside it at most two minutes.
+        short = min(seconds, 120.0)
+        phases = []
+        for name, url, proc, factor, secs in (
+            ("1 x capacity", gw.url, gw, 1.0, short),
+            ("10 x capacity", gw.url, gw, 10.0, seconds),
+            ("10 x capacity, admission off", unbounded.url, unbounded, 10.0, short),
+        ):
+            async with _rss_watch(proc) as rss:
+                results = await _open_loop(session, url, factor * capacity, secs)
+            phases.append(_phase(name, factor * capacity, results, rss))
+            log(f"{name}: {json.dumps({k: v for k, v in phases[-1].items() if k != 'phase'})}")
+
+        # Abuse: slow clients and huge bodies beside normal traffic at half the capacity.
+        stop = asyncio.Event()
+        host, port = "127.0.0.1", gw.port
+        async with _rss_watch(gw) as rss:
+            loris = asyncio.create_task(_slowloris(host, port, slow_clients, stop))
+            bodies = [asyncio.create_task(_big_bodies(session, gw.url, stop)) for _ in range(big_bodies)]
+            await asyncio.sleep(2.0)  # the slow clients are connected
+            normal = await _open_loop(session, gw.url, 0.5 * capacity, short)
+            stop.set()
+            loris_out = await loris
+            body_statuses = [s for t in bodies for s in await t]
+        abuse = _phase(
+            "abuse: 0.5 x capacity beside slow clients and 64 MiB bodies", 0.5 * capacity, normal, rss
+        )
+        abuse.update(loris_out)
+        abuse["big_bodies_sent"] = len(body_statuses)
+        abuse["big_body_statuses"] = {str(s): body_statuses.count(s) for s in sorted(set(body_statuses))}
+        phases.append(abuse)
+        log(f"abuse: {json.dumps({k: v for k, v in abuse.items() if k != 'phase'})}")
+
+    base, over, off, ab = phases
+    budget = WAIT_BUDGET_S + TTFT_SLO_S
+    checks = {
+        "no_5xx": all(p["server_errors"] == 0 for p in phases),
+        "every_refusal_429_with_retry_after": all(
+            p["other_status"] == 0
+            and p["refused_429_without_retry_after"] == 0
+            and p["connection_errors"] == 0
+            for p in (base, over, ab)
+        ),
+        "rss_flat_within_10pct": over["rss_ratio"] is not None and over["rss_ratio"] <= 1.10,
+        "overload_ttft_p95_within_budget_plus_slo": over["ttft_p95_s"] is not None
+        and over["ttft_p95_s"] <= budget,
+        "abuse_normal_all_answered": ab["admitted"] == ab["requests"],
+        "abuse_ttft_p95_within_2x_baseline": (
+            ab["ttft_p95_s"] is not None
+            and base["ttft_p95_s"] is not None
+            and ab["ttft_p95_s"] <= max(2 * base["ttft_p95_s"], base["ttft_p95_s"] + 0.25)
+        ),
+    }
+    return {
+        "capacity_rps": capacity,
+        "overload_s": seconds,
+        "other_phases_s": min(seconds, 120.0),
+        "phases": phases,
+        "checks": checks,
+        "ttft_p95_ratio_overload_vs_baseline": _ratio(over["ttft_p95_s"], base["ttft_p95_s"]),
+        "ttft_p95_ratio_admission_off_vs_on": _ratio(off["ttft_p95_s"], over["ttft_p95_s"]),
+        "wait_budget_plus_ttft_slo_s": budget,
+        "setup": (
+            f"{len(setup.sims)} x tidal sim fast-test at 25 ms steps, cap {CAP}/replica, streams of "
+            f"{TOKENS} tokens; interactive wait budget {WAIT_BUDGET_S:g} s, TTFT SLO {TTFT_SLO_S:g} s; "
+            f"clients give up after {CLIENT_TIMEOUT_S:g} s"
+        ),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def run(
+    quick: bool,
+    out_dir: Path,
+    seconds: str | float | None = None,
+    replicas: str | int = 2,
+    slow_clients: str | int = 1000,
+    big_bodies: str | int = 4,
+) -> dict[str, Any]:
+    from tidal.cli.bench import print_table
+
+    secs = float(seconds) if seconds is not None else (15.0 if quick else 600.0)
+    with (
+        tempfile.TemporaryDirectory(prefix="tidal-bench-soak-") as tmp,
+        _processes(Path(tmp), int(replicas)) as setup,
+    ):
+        result = asyncio.run(
+            _bench(setup, secs, int(slow_clients), int(big_bodies), lambda m: print(m, flush=True))
+        )
+
+    def ms(v: Any) -> str:
+        return f"{v * 1000:.0f}" if isinstance(v, float) else "-"
+
+    print()
+    print_table(
+        [
+            {
+                "phase": p["phase"],
+                "offered_rps": f"{p['offered_rps']:.1f}",
+                "requests": p["requests"],
+                "admitted": p["admitted"],
+                "429": p["refused_429"],
+                "429_no_RA": p["refused_429_without_retry_after"],
+                "5xx": p["server_errors"],
+                "conn_err": p["connection_errors"],
+                "timed_out": p["timed_out"],
+                "ttft_p95_ms": ms(p["ttft_p95_s"]),
+                "rss_mb": f"{p['rss_start_mb'] or 0:.0f}->{p['rss_end_mb'] or 0:.0f}",
+            }
+            for p in result["phases"]
+        ]
+    )
+    ab = result["phases"][-1]
+    print(
+        f"\nslow clients: {ab['slow_clients_opened']} opened, {ab['slow_clients_closed_by_gateway']} closed by the "
+        f"gateway; 64 MiB bodies: {ab['big_bodies_sent']} sent, statuses {ab['big_body_statuses']}"
+    )
+    print(f"checks: {json.dumps(result['checks'])}")
+    print(f"\n{result['setup']}; capacity {result['capacity_rps']:.2f} requests/s")
+    return result
