@@ -29,6 +29,7 @@ from router.ring import HashRing, stable_hash
 from tidal.fleet import hash_api_key
 
 __all__ = [
+    "ThreadedServer",
     "ACME_KEY",
     "ADMIN_KEY",
     "DEV_KEY",
@@ -199,6 +200,42 @@ def run_gateway(
         proc.stop()
 
 
+class ThreadedServer:
+    """An aiohttp application served on ``127.0.0.1:port`` from a thread of its own (a fake
+    provider or replica beside the real processes); stop it by leaving the ``with``."""
+
+    def __init__(self, app: web.Application, port: int) -> None:
+        self.app, self.port = app, port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> ThreadedServer:
+        ready = threading.Event()
+
+        def serve() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            runner = web.AppRunner(self.app)
+            loop.run_until_complete(runner.setup())
+            loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+        self._thread = threading.Thread(target=serve, daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError(f"the threaded server on port {self.port} did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+
+
 @dataclass
 class AuthProxy:
     """An OpenAI-compatible "external provider": checks its own API key, forwards to a replica."""
@@ -208,9 +245,7 @@ class AuthProxy:
     port: int = field(default_factory=free_port)
     requests: int = 0
     refused: int = 0
-    _loop: asyncio.AbstractEventLoop | None = None
-    _thread: threading.Thread | None = None
-    _runner: web.AppRunner | None = None
+    _server: ThreadedServer | None = None
 
     @property
     def url(self) -> str:
@@ -238,28 +273,11 @@ class AuthProxy:
             return resp
 
     def __enter__(self) -> AuthProxy:
-        ready = threading.Event()
-
-        def serve() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            app = web.Application()
-            app.router.add_post("/v1/{tail:.*}", self._handle)
-            self._runner = web.AppRunner(app)
-            loop.run_until_complete(self._runner.setup())
-            loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self._runner.cleanup())
-            loop.close()
-
-        self._thread = threading.Thread(target=serve, daemon=True)
-        self._thread.start()
-        ready.wait(10)
+        app = web.Application()
+        app.router.add_post("/v1/{tail:.*}", self._handle)
+        self._server = ThreadedServer(app, self.port).__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._thread is not None:
-            self._thread.join(10)
+        if self._server is not None:
+            self._server.__exit__(*exc)

@@ -13,6 +13,7 @@ import contextlib
 import json
 import secrets
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ import openai
 import pytest
 from sqlalchemy import create_engine, text
 
-from replicas.launcher import ReplicaProcess, sim_process
+from replicas.launcher import ReplicaProcess
 from tests.batch_tier import (
     BatchTier,
     chat_lines,
@@ -36,44 +37,14 @@ from tests.chaos.matrix import Row, record
 from tests.chaos.services import (
     PrivatePostgres,
     PrivateRabbit,
-    private_postgres,
-    private_rabbitmq,
     service_dir,
 )
+from tests.services import in_ci
 
 pytestmark = pytest.mark.slow
 
 LINES = 2000
 TERMINAL = ("completed", "failed", "expired", "cancelled")
-
-
-@pytest.fixture(scope="module")
-def services() -> Iterator[tuple[PrivateRabbit, PrivatePostgres]]:
-    with service_dir() as root, private_rabbitmq(root) as rabbit, private_postgres(root) as pg:
-        yield rabbit, pg
-
-
-@pytest.fixture(scope="module")
-def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ReplicaProcess]]:
-    logs = tmp_path_factory.mktemp("chaos-batch-sims")
-    procs = [
-        sim_process(
-            "fast-test",
-            name=f"batch-sim-{i}",
-            args=["--served-model-name", "tiny", "--time-scale", "0.05"],
-            log_path=logs / f"sim-{i}.log",
-        )
-        for i in range(2)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.wait_ready(60)
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @contextlib.contextmanager
@@ -117,6 +88,62 @@ def _deliveries(tier: BatchTier, batch_id: str) -> list[int]:
         engine.dispose()
 
 
+def _tally(client: openai.OpenAI, final: Any) -> tuple[dict[str, int], int]:
+    """How many times each custom id was answered (output and error files), and how many failed."""
+    seen: dict[str, int] = {}
+    failed = 0
+    for file_id, is_error in ((final.output_file_id, False), (final.error_file_id, True)):
+        if file_id:
+            for row in read_jsonl(client.files.content(file_id).text):
+                seen[row["custom_id"]] = seen.get(row["custom_id"], 0) + 1
+                failed += int(is_error)
+    return seen, failed
+
+
+def _final(client: openai.OpenAI, batch_id: str, timeout: float = 300) -> tuple[Any, int]:
+    """The batch once it ended, and 1 when it did not end within ``timeout`` (hung)."""
+    try:
+        return wait_for(
+            lambda: (b := client.batches.retrieve(batch_id)).status in TERMINAL and b,
+            timeout,
+            "the batch to end",
+        ), 0
+    except AssertionError:
+        return client.batches.retrieve(batch_id), 1
+
+
+def _row(
+    tier: BatchTier,
+    client: openai.OpenAI,
+    final: Any,
+    hung: int,
+    fault: str,
+    recovery: float,
+    note: str = "",
+    part: str = "batch",
+) -> Row:
+    seen, failed = _tally(client, final)
+    ids = [json.loads(line)["custom_id"] for line in chat_lines(LINES, max_tokens=16).decode().splitlines()]
+    deliveries = _deliveries(tier, final.id)
+    row = record(
+        Row(
+            tier=part,
+            fault=fault,
+            requests=LINES,
+            failed=failed,
+            retried=sum(d - 1 for d in deliveries if d > 1),
+            lost=sum(1 for i in ids if i not in seen),
+            duplicated=sum(1 for i in ids if seen.get(i, 0) > 1),
+            hung=hung,
+            recovery_s=recovery,
+            note=note or f"batch {final.status}; retried = chunk redeliveries",
+        )
+    )
+    assert row.lost == 0 and row.duplicated == 0 and row.hung == 0, row
+    assert final.status == "completed" and row.failed == 0, (final.status, row)
+    return row
+
+
 def _run(tier: BatchTier, fault: str, inject: Callable[[], None], *, extra_gateway: bool = False) -> Row:
     tier.start_workers(["reserved", "reserved"], concurrency=3)
     with contextlib.ExitStack() as stack:
@@ -134,43 +161,8 @@ def _run(tier: BatchTier, fault: str, inject: Callable[[], None], *, extra_gatew
         inject()
         wait_for(lambda: _done(client, batch.id) > before, 180, "progress after the fault")
         recovery = time.monotonic() - fault_at
-        hung = 0
-        try:
-            final = wait_for(
-                lambda: (b := client.batches.retrieve(batch.id)).status in TERMINAL and b,
-                300,
-                "the batch to end",
-            )
-        except AssertionError:
-            hung, final = 1, client.batches.retrieve(batch.id)
-        seen: dict[str, int] = {}
-        failed = 0
-        for file_id, is_error in ((final.output_file_id, False), (final.error_file_id, True)):
-            if file_id:
-                for row in read_jsonl(client.files.content(file_id).text):
-                    seen[row["custom_id"]] = seen.get(row["custom_id"], 0) + 1
-                    failed += int(is_error)
-        ids = [
-            json.loads(line)["custom_id"] for line in chat_lines(LINES, max_tokens=16).decode().splitlines()
-        ]
-        deliveries = _deliveries(tier, batch.id)
-    row = record(
-        Row(
-            tier="batch",
-            fault=fault,
-            requests=LINES,
-            failed=failed,
-            retried=sum(d - 1 for d in deliveries if d > 1),
-            lost=sum(1 for i in ids if i not in seen),
-            duplicated=sum(1 for i in ids if seen.get(i, 0) > 1),
-            hung=hung,
-            recovery_s=recovery,
-            note=f"batch {final.status}; retried = chunk redeliveries",
-        )
-    )
-    assert row.lost == 0 and row.duplicated == 0 and row.hung == 0, row
-    assert final.status == "completed" and row.failed == 0, (final.status, row)
-    return row
+        final, hung = _final(client, batch.id)
+        return _row(tier, client, final, hung, fault, recovery)
 
 
 def test_worker_sigkill_while_writing_results(tier: BatchTier) -> None:
@@ -206,3 +198,81 @@ def test_two_gateways_sweeping_the_same_batches(tier: BatchTier) -> None:
         lambda: tier.workers[0].signal(signal.SIGKILL),
         extra_gateway=True,
     )
+
+
+@pytest.fixture
+def small_store() -> Iterator[Path]:
+    """A 4 MiB tmpfs for the batch tier's files (mounting needs root)."""
+    with service_dir() as root:
+        mnt = root / "files"
+        mnt.mkdir()
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True
+        )
+        if mounted.returncode != 0:
+            message = f"cannot mount a tmpfs: {mounted.stderr.strip()}"
+            if in_ci():
+                pytest.fail(message, pytrace=False)
+            pytest.skip(message)
+        try:
+            yield mnt
+        finally:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(path: Path) -> None:
+    with path.open("wb") as fh:
+        block = b"\0" * 65536
+        with contextlib.suppress(OSError):
+            while True:
+                fh.write(block)
+                fh.flush()
+
+
+def test_file_store_full_until_space_is_freed(
+    tmp_path: Path,
+    services: tuple[PrivateRabbit, PrivatePostgres],
+    sims: list[ReplicaProcess],
+    small_store: Path,
+) -> None:
+    rabbit, pg = services
+    with (
+        _database(pg) as url,
+        running_tier(
+            tmp_path,
+            url,
+            tiny_fleet([s.url for s in sims]),
+            broker_url=rabbit.url,
+            extra_env={"TIDAL_FILES_DIR": str(small_store)},
+        ) as tier,
+    ):
+        tier.start_workers(["reserved", "reserved"], concurrency=3)
+        with tier.gateway() as gw:
+            client = openai_client(gw)
+            f = client.files.create(file=("in.jsonl", chat_lines(LINES, max_tokens=16)), purpose="batch")
+            filler = small_store / "filler"
+            _fill(filler)
+            # An upload into a full store is refused as such, not a 500.
+            with pytest.raises(openai.APIStatusError) as full:
+                client.files.create(file=("more.jsonl", chat_lines(10)), purpose="batch")
+            assert full.value.status_code == 507, full.value
+            batch = client.batches.create(
+                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            # Every line is answered, but the output file cannot be written: the batch waits.
+            wait_for(lambda: _done(client, batch.id) >= LINES, 180, "every line answered")
+            time.sleep(3.0)
+            assert client.batches.retrieve(batch.id).status in ("in_progress", "finalizing")
+            freed_at = time.monotonic()
+            filler.unlink()
+            final, hung = _final(client, batch.id, timeout=120)
+            recovery = time.monotonic() - freed_at
+            _row(
+                tier,
+                client,
+                final,
+                hung,
+                "file store full, then space freed",
+                recovery,
+                note="recovery from the space freed to the batch completed",
+            )

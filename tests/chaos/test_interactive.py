@@ -18,17 +18,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from replicas.launcher import ReplicaProcess, sim_process
+from replicas.launcher import ReplicaProcess
 from scheduler.gateway import GatewayAdmin
 from scheduler.health import CanaryGeneration, HealthProber
 from scheduler.metrics import SchedulerMetrics
 from tests.api.harness import ADMIN_KEY, DEV_KEY, Gateway, fleet_dict, run_gateway
+from tests.chaos.conftest import running_sims
 from tests.chaos.matrix import Row, StreamingClients, record
 from tidal.clock import SystemClock
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-TIME_SCALE = "0.04"  # a fast-test step of 1 ms lasts 25 ms: a 64-token stream about 1.7 s
+TIME_SCALE = 0.04  # a fast-test step of 1 ms lasts 25 ms: a 64-token stream about 1.7 s
 PERIOD_S = 0.5  # the prober's period (a second in production; shorter keeps the test short)
 RUN_BEFORE_S = 3.0  # traffic before the fault
 RUN_AFTER_S = 7.0  # and after it
@@ -49,25 +50,12 @@ class Scene:
 
 @pytest.fixture
 def scene(tmp_path: Path) -> Iterator[Scene]:
-    sims = [
-        sim_process(
-            "fast-test",
-            name=f"chaos-{i}",
-            args=["--served-model-name", "tiny", "--time-scale", TIME_SCALE],
-            log_path=tmp_path / f"sim-{i}.log",
-        )
-        for i in range(2)
-    ]
-    try:
-        for s in sims:
-            s.start()
-        for s in sims:
-            s.wait_ready(60)
-        with run_gateway(tmp_path, fleet_dict([s.url for s in sims])) as gw:
-            yield Scene(sims, gw, tmp_path)
-    finally:
-        for s in sims:
-            s.stop()
+    # Replicas of this test's own: it kills or freezes one.
+    with (
+        running_sims(tmp_path, 2, TIME_SCALE) as sims,
+        run_gateway(tmp_path, fleet_dict([s.url for s in sims])) as gw,
+    ):
+        yield Scene(sims, gw, tmp_path)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ replica saw no client key, and no log line holds a key.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import threading
@@ -28,7 +27,7 @@ import pytest
 from aiohttp import web
 
 from replicas.launcher import free_port, sim_process
-from tests.api.harness import ACME_KEY, ADMIN_KEY, DEV_KEY, fleet_dict, run_gateway
+from tests.api.harness import ACME_KEY, ADMIN_KEY, DEV_KEY, ThreadedServer, fleet_dict, run_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -79,8 +78,7 @@ class Recorder:
     upstream: str
     port: int = field(default_factory=free_port)
     headers: list[dict[str, str]] = field(default_factory=list)
-    _loop: asyncio.AbstractEventLoop | None = None
-    _thread: threading.Thread | None = None
+    _server: ThreadedServer | None = None
 
     @property
     def url(self) -> str:
@@ -104,31 +102,14 @@ class Recorder:
             return resp
 
     def __enter__(self) -> Recorder:
-        ready = threading.Event()
-
-        def serve() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            app = web.Application()
-            app.router.add_route("*", "/{tail:.*}", self._handle)
-            runner = web.AppRunner(app)
-            loop.run_until_complete(runner.setup())
-            loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(runner.cleanup())
-            loop.close()
-
-        self._thread = threading.Thread(target=serve, daemon=True)
-        self._thread.start()
-        assert ready.wait(10)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._server = ThreadedServer(app, self.port).__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._thread is not None:
-            self._thread.join(10)
+        if self._server is not None:
+            self._server.__exit__(*exc)
 
 
 @pytest.fixture(scope="module")
