@@ -68,3 +68,37 @@ def test_bench_refuses_an_option_the_benchmark_does_not_take(name: str) -> None:
         assert result.exit_code == 2, result.output
         assert f"unknown option(s) for benchmark '{name}': {bad}" in result.output
         assert "(known: --" in result.output or "(known: none)" in result.output
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_client_command_logs_its_http_requests_only_when_verbose(verbose: bool) -> None:
+    """`tidal jobs status` against a server answering 404: the user sees the answer; the
+    per-request `HTTP Request: ...` lines only with --verbose."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"error": {"message": "No such job", "type": "not_found_error", "param": null, "code": null}}'
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        argv = [sys.executable, "-m", "tidal", *(["--verbose"] if verbose else []), "jobs", "status", "job_x"]
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        out = subprocess.run(
+            [*argv, "--base-url", url, "--api-key", "k"], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        server.shutdown()
+    text = out.stdout + out.stderr
+    assert "No such job" in text, text
+    assert ("HTTP Request:" in text) is verbose, text

@@ -66,6 +66,8 @@ def test_tidal_up_completes_a_batch_submitted_with_the_openai_sdk(
         assert proc.poll() is None, out.read_text()[-3000:]
         # And the scheduler runs, saying where its metrics are
         assert f"http://127.0.0.1:{sched_port}/metrics" in out.read_text()
+        # And the summary says how to log in to Flower (the development login)
+        assert "Flower: http://127.0.0.1:" in out.read_text() and "login: tidal / tidal" in out.read_text()
         sched_log = tmp_path / "data" / "logs" / "scheduler.log"
         assert "batch gate on interactive" in sched_log.read_text()
         # And its gate lends the shared pool to batch once the pool was calm for the hold time

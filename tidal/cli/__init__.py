@@ -66,7 +66,13 @@ class LazyGroup(click.Group):
 )
 @click.version_option(__version__, prog_name="tidal")
 @click.option("--log-level", default="INFO", show_default=True, help="Python logging level for this process.")
-def cli(log_level: str) -> None:
+@click.option(
+    "--verbose",
+    "-v",
+    is_flag=True,
+    help="Also log every HTTP request the command makes (httpx's INFO lines).",
+)
+def cli(log_level: str, verbose: bool) -> None:
     """Tidal: one GPU pool for interactive chat and batch LLM work.
 
     Start everything on simulated replicas with `tidal up`; each part can also run on its own
@@ -76,6 +82,10 @@ def cli(log_level: str) -> None:
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # A command prints what its user asked for, not a line per HTTP request it made (a `tidal jobs`
+    # poll loop would print one a second); --verbose brings them back.
+    for name in ("httpx", "httpx2", "httpcore"):
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
 
 def main(argv: Any = None) -> None:

@@ -322,6 +322,7 @@ def up(
     from replicas.launcher import ReplicaProcess, ReplicaStartError
     from tidal.defaults import DEFAULT_FLEET_PATH
     from tidal.fleet import load_fleet
+    from tidal.settings import get_settings
 
     fleet_path = (config or DEFAULT_FLEET_PATH).resolve()
     key = api_key or f"tidal-dev-{secrets.token_urlsafe(24)}"
@@ -383,7 +384,7 @@ def up(
             elif not proc.running():
                 raise ReplicaStartError(f"{part.name} exited at start:\n{proc.log_tail()}")
         if not stop.is_set():
-            _print_summary(running, missing, key, port, admin_key)
+            _print_summary(running, missing, key, port, admin_key, get_settings().flower_basic_auth)
         scheduler = next((p for p, _ in running if p.command == "scheduler"), None)
         fleet = load_fleet(fleet_path)
         # The scheduler plans capacities in the background (seconds, on a first start): say what
@@ -420,7 +421,12 @@ def up(
 
 
 def _print_summary(
-    running: Sequence[tuple[Part, object]], missing: list[Part], key: str, port: int, admin_key: str
+    running: Sequence[tuple[Part, object]],
+    missing: list[Part],
+    key: str,
+    port: int,
+    admin_key: str,
+    flower_auth: str = "",
 ) -> None:
     click.echo("")
     width = max((len(p.name) for p, _ in running), default=8)
@@ -432,6 +438,10 @@ def _print_summary(
     if any(p.command == "gateway" for p, _ in running):
         click.echo(f"\nOpenAI base URL: http://127.0.0.1:{port}/v1   API key: {key}")
         click.echo(f"Admin API: http://127.0.0.1:{port}/admin   admin key: {admin_key}")
+    flower = next((p for p, _ in running if p.command == "flower"), None)
+    if flower is not None and flower_auth:
+        user, _, password = flower_auth.partition(":")
+        click.echo(f"Flower: {flower.url}   login: {user} / {password} (TIDAL_FLOWER_BASIC_AUTH)")
     click.echo("Ready. Ctrl-C stops everything.")
     sys.stdout.flush()
     time.sleep(0)
