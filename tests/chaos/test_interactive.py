@@ -33,7 +33,7 @@ TIME_SCALE = 0.04  # a fast-test step of 1 ms lasts 25 ms: a 64-token stream abo
 PERIOD_S = 0.5  # the prober's period (a second in production; shorter keeps the test short)
 RUN_BEFORE_S = 3.0  # traffic before the fault
 RUN_AFTER_S = 7.0  # and after it
-SETTLED_S = 4.0  # requests started this long after the fault must all succeed
+SETTLED_S = 4.0  # requests started this long after the fault (and any restart) must all succeed
 
 
 @pytest.fixture
@@ -92,6 +92,7 @@ async def _run(
     await asyncio.sleep(RUN_BEFORE_S)
     fault_at = time.monotonic()
     retries_before = await asyncio.to_thread(inject)  # type: ignore[arg-type]
+    injected_at = time.monotonic()  # a restart (the gateway row) is part of the fault
     await asyncio.sleep(RUN_AFTER_S)
     await clients.stop()
     retried = _retries(scene.gateway) + int(retries_before or 0) - retries0
@@ -109,21 +110,21 @@ async def _run(
             note=note,
         )
     )
-    return row, clients, fault_at
+    return row, clients, injected_at
 
 
-def _check(row: Row, clients: StreamingClients, fault_at: float) -> None:
+def _check(row: Row, clients: StreamingClients, injected_at: float) -> None:
     assert row.hung == 0 and row.lost == 0 and row.duplicated == 0, clients.summary()
-    late = [o for o in clients.outcomes if o.start >= fault_at + SETTLED_S]
+    late = [o for o in clients.outcomes if o.start >= injected_at + SETTLED_S]
     assert late, "no request started after the fault settled"
     assert all(o.kind == "ok" for o in late), clients.summary()
 
 
 async def test_replica_sigkill_mid_stream(scene: Scene, prober: HealthProber) -> None:
-    row, clients, fault_at = await _run(
+    row, clients, injected_at = await _run(
         scene, "replica SIGKILL mid-stream", lambda: scene.sims[0].send_signal(signal.SIGKILL)
     )
-    _check(row, clients, fault_at)
+    _check(row, clients, injected_at)
     # Streams cut after their first token end with an error the client sees (retrying them would
     # answer twice); the rest went to the other replica.
     assert row.failed <= clients.workers, clients.summary()
@@ -131,7 +132,7 @@ async def test_replica_sigkill_mid_stream(scene: Scene, prober: HealthProber) ->
 
 async def test_replica_sigstop_mid_stream(scene: Scene, prober: HealthProber) -> None:
     try:
-        row, clients, fault_at = await _run(
+        row, clients, injected_at = await _run(
             scene,
             "replica SIGSTOP mid-stream",
             lambda: scene.sims[0].send_signal(signal.SIGSTOP),
@@ -139,7 +140,7 @@ async def test_replica_sigstop_mid_stream(scene: Scene, prober: HealthProber) ->
         )
     finally:
         scene.sims[0].send_signal(signal.SIGCONT)
-    _check(row, clients, fault_at)
+    _check(row, clients, injected_at)
     # The frozen replica's streams end once the prober marks it out, well inside the timeout.
     assert row.recovery_s is not None and row.recovery_s < SETTLED_S, clients.summary()
 
@@ -157,10 +158,10 @@ async def test_gateway_sigkill_with_streams_open(scene: Scene) -> None:
         gw.wait_ready(60)
         return before
 
-    row, clients, fault_at = await _run(
+    row, clients, injected_at = await _run(
         scene, "gateway SIGKILL, streams open", kill_and_restart, note="restarted by its supervisor"
     )
     # Every open stream ended with an error (a dropped connection), none hung; the new process
     # serves every request after it is up.
     assert row.failed >= 1, clients.summary()
-    _check(row, clients, fault_at)
+    _check(row, clients, injected_at)
