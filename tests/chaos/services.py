@@ -43,9 +43,12 @@ def _missing(what: str) -> None:
     pytest.skip(f"{what} is not installed")
 
 
-def _wait_port(port: int, timeout: float, what: str) -> None:
+def _wait_port(port: int, timeout: float, what: str, alive: subprocess.Popen[bytes] | None = None) -> None:
+    """Until ``port`` accepts connections; fails at once when ``alive`` (the server) has exited."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if alive is not None and alive.poll() is not None:
+            raise AssertionError(f"{what} exited with code {alive.returncode} before opening port {port}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
             return
         time.sleep(0.2)
@@ -62,6 +65,7 @@ def _chown(path: Path, user: str) -> None:
 class PrivateRabbit:
     root: Path
     port: int
+    dist_port: int  # Erlang distribution's own port (a free one: port + 10000 may pass 65535)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -77,7 +81,7 @@ class PrivateRabbit:
             **os.environ,
             "RABBITMQ_NODENAME": self.node,
             "RABBITMQ_NODE_PORT": str(self.port),
-            "RABBITMQ_DIST_PORT": str(self.port + 10000),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
             "RABBITMQ_CONFIG_FILE": str(self.root / "rabbitmq.conf"),
             "RABBITMQ_MNESIA_BASE": str(self.root / "mnesia"),
             "RABBITMQ_MNESIA_DIR": str(self.root / "mnesia" / "node"),
@@ -91,7 +95,11 @@ class PrivateRabbit:
             ["rabbitmq-server"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
-        _wait_port(self.port, timeout, "the private RabbitMQ node")
+        try:
+            _wait_port(self.port, timeout, "the private RabbitMQ node", alive=self.proc)
+        except AssertionError as exc:
+            tail = (self.root / "server.log").read_text(errors="replace")[-2000:]
+            raise AssertionError(f"{exc}; its log ends with:\n{tail}") from None
 
     def kill(self) -> None:
         """SIGKILL the whole node (its Erlang VM and helpers): a crash, not a stop.
@@ -134,9 +142,9 @@ def private_rabbitmq(tmp: Path) -> Iterator[PrivateRabbit]:
     (root / "plugins").write_text("")
     if os.geteuid() == 0:
         _chown(root, "rabbitmq")
-    rabbit = PrivateRabbit(root, port)
-    rabbit.start()
-    try:
+    rabbit = PrivateRabbit(root, port, free_port())
+    try:  # a node that fails to start is killed too
+        rabbit.start()
         yield rabbit
     finally:
         rabbit.kill()
@@ -197,8 +205,8 @@ def private_postgres(tmp: Path) -> Iterator[PrivatePostgres]:
         init = ["runuser", "-u", "postgres", "--", *init]
     subprocess.run(init, check=True, capture_output=True, timeout=120)
     pg = PrivatePostgres(data, free_port(), bindir)
-    pg.start()
     try:
+        pg.start()
         yield pg
     finally:
         pg.stop()
