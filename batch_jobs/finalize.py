@@ -106,18 +106,16 @@ def _write_final(
             )
     counts_usage = _usage(store, batch_id)
     now = int(clock.now())
-    written: list[str] = []
+    output_id: str | None = None
     try:
-        output_id = (
-            _write_file(store, files, batch, "done", "output", now, written) if counts_usage[0] else None
-        )
-        error_id = (
-            _write_file(store, files, batch, "failed", "error", now, written) if counts_usage[1] else None
-        )
+        output_id = _write_file(store, files, batch, "done", "output", now) if counts_usage[0] else None
+        error_id = _write_file(store, files, batch, "failed", "error", now) if counts_usage[1] else None
     except Exception:
-        # E.g. the file store is full: leave nothing half-written and release the claim now, so
-        # the next sweep tries again as soon as there is room (not once the claim is stale).
-        _discard(store, files, written)
+        # E.g. the file store is full: leave nothing half-written (a failed write removes its own
+        # part; an output file written before the error file failed is removed here) and release
+        # the claim now, so the next sweep tries again as soon as there is room.
+        if output_id is not None:
+            _discard(store, files, output_id)
         _release(store, batch_id, token)
         raise
     with store.session() as s:
@@ -194,12 +192,9 @@ def _lines(store: Store, batch: BatchRecord, state: str) -> Iterator[str]:
         last = page[-1].line_no
 
 
-def _write_file(
-    store: Store, files: FileStore, batch: BatchRecord, state: str, kind: str, now: int, written: list[str]
-) -> str:
+def _write_file(store: Store, files: FileStore, batch: BatchRecord, state: str, kind: str, now: int) -> str:
     file_id = new_id("file-")
     rel, size = files.save_lines(batch.tenant, file_id, _lines(store, batch, state))
-    written.append(file_id)
     with store.session() as s:
         s.add(
             FileRecord(
@@ -215,15 +210,12 @@ def _write_file(
     return file_id
 
 
-def _discard(store: Store, files: FileStore, file_ids: list[str]) -> None:
-    """Remove files a failed finalisation wrote (their records and their bytes)."""
-    for file_id in file_ids:
-        with store.session() as s:
-            rec = s.exec(select(FileRecord).where(FileRecord.id == file_id)).first()
-            if rec is None:
-                continue
-            files.delete(rec.path)
-            s.delete(rec)
+def _discard(store: Store, files: FileStore, file_id: str) -> None:
+    """Remove a file a failed finalisation wrote (its record and its bytes)."""
+    with store.session() as s:
+        rec = s.exec(select(FileRecord).where(FileRecord.id == file_id)).one()
+        files.delete(rec.path)
+        s.delete(rec)
 
 
 def _release(store: Store, batch_id: str, token: str) -> None:

@@ -670,7 +670,6 @@ async def _bench(setup: _Setup, o: _Opts, log: Any) -> dict[str, Any]:
         clock=clock,
         on_transition=watch.transitions.append,
     )
-    stop = asyncio.Event()
     gate_stop = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
     connector = aiohttp.TCPConnector(limit=o.streams * 2 + 16)
@@ -791,7 +790,6 @@ async def _bench(setup: _Setup, o: _Opts, log: Any) -> dict[str, Any]:
             # The batches finish, then every line is checked.
             lost, statuses = await asyncio.to_thread(_lost, setup.service, batches, 600.0)
         finally:
-            stop.set()
             gate_stop.set()
             for t in tasks:
                 t.cancel()

@@ -31,7 +31,7 @@ from tests.scheduler.test_scheduler_e2e import _fleet, _scheduler
 
 pytestmark = pytest.mark.slow
 
-HOLD_S = 3.0  # the e2e fleet's gate hold
+HOLD_S = float(_fleet("")["gate"]["hold_s"])
 UNWATCHED_S = 6.0  # how long the pool runs with no scheduler at all
 
 
