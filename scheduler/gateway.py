@@ -60,11 +60,13 @@ class _One:
         if data is not None:
             headers["Content-Type"] = "application/json"
         url = self.base_url + path
+        # Only a given timeout overrides the session's: aiohttp reads ``timeout=None`` as "no
+        # timeout at all", which left every call without one waiting forever on a silent gateway.
+        extra: dict[str, Any] = (
+            {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout is not None else {}
+        )
         try:
-            req_timeout = aiohttp.ClientTimeout(total=timeout) if timeout is not None else None
-            async with self._session.request(
-                method, url, data=data, headers=headers, timeout=req_timeout
-            ) as resp:
+            async with self._session.request(method, url, data=data, headers=headers, **extra) as resp:
                 raw = await resp.content.read(_MAX_BODY + 1)
                 if len(raw) > _MAX_BODY:
                     raise GatewayError(f"{method} {url}: answer larger than {_MAX_BODY} bytes", resp.status)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -201,3 +204,25 @@ async def test_a_wrong_key_an_oversized_answer_and_a_bad_url_are_errors(gateways
     for bad in ["ftp://x", "127.0.0.1:8000", "http://"]:
         with pytest.raises(ValueError):
             GatewayAdmin([bad], admin_key="k")
+
+
+async def test_a_gateway_that_never_answers_is_an_error_after_the_timeout() -> None:
+    # Given a gateway that accepts connections and never answers (the kernel completes the
+    # handshake on the listening socket's backlog; nothing reads),
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        async with GatewayAdmin([url], admin_key="k", timeout_s=0.3) as gw:
+            calls = {
+                "load": gw.load,
+                "replicas": gw.replicas,
+                "register": lambda: gw.register("r1", "http://127.0.0.1:9001", "interactive"),
+                "update": lambda: gw.update("r1", healthy=False),
+            }
+            for name, call in calls.items():
+                # Then every call fails after the client's timeout instead of waiting forever.
+                t0 = time.monotonic()
+                with pytest.raises(GatewayError):
+                    await asyncio.wait_for(call(), 5)
+                assert time.monotonic() - t0 < 2, name
