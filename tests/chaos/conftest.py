@@ -30,14 +30,18 @@ def services() -> Iterator[tuple[PrivateRabbit, PrivatePostgres]]:
 
 
 @contextlib.contextmanager
-def running_sims(logs: Path, n: int, time_scale: float) -> Iterator[list[ReplicaProcess]]:
-    """``n`` simulated replicas serving ``tiny`` (fast-test's 1 ms steps slowed by ``time_scale``)."""
+def running_sims(
+    logs: Path, n: int, time_scale: float, *, kv_events: bool = False
+) -> Iterator[list[ReplicaProcess]]:
+    """``n`` simulated replicas serving ``tiny`` (fast-test's 1 ms steps slowed by ``time_scale``),
+    publishing KV events on free ports when ``kv_events``."""
     procs = [
         sim_process(
             "fast-test",
             name=f"chaos-sim-{i}",
             args=["--served-model-name", "tiny", "--time-scale", str(time_scale)],
             log_path=logs / f"sim-{i}.log",
+            kv_events=kv_events,
         )
         for i in range(n)
     ]

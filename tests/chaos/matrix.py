@@ -60,6 +60,7 @@ class Outcome:
     end: float
     kind: str  # ok | failed | lost | hung
     detail: str = ""
+    ttft: float | None = None  # seconds from the request to its first token, when one came
 
 
 @dataclass
@@ -71,6 +72,7 @@ class StreamingClients:
     an error (HTTP status, an error event, a dropped connection), ``lost`` when the stream ended
     without a finish reason or an error, ``duplicated`` when it carried more tokens than asked
     (``ignore_eos``: exactly ``max_tokens``), ``hung`` when nothing ended it within ``timeout_s``.
+    Each outcome keeps its time to first token (``ttft``) when a token came.
     """
 
     base_url: str
@@ -84,6 +86,7 @@ class StreamingClients:
 
     async def _one(self, client: openai.AsyncOpenAI, i: int) -> Outcome:
         t0 = time.monotonic()
+        first: float | None = None
         finished = False
         tokens = 0
         try:
@@ -101,15 +104,16 @@ class StreamingClients:
                         continue
                     if chunk.choices[0].delta.content:
                         tokens += 1
+                        first = first or time.monotonic() - t0
                     if chunk.choices[0].finish_reason is not None:
                         finished = True
         except TimeoutError:
-            return Outcome(t0, time.monotonic(), "hung")
+            return Outcome(t0, time.monotonic(), "hung", ttft=first)
         except (openai.APIError, httpx.HTTPError) as exc:
-            return Outcome(t0, time.monotonic(), "failed", f"{type(exc).__name__}: {exc}"[:200])
+            return Outcome(t0, time.monotonic(), "failed", f"{type(exc).__name__}: {exc}"[:200], first)
         if tokens > self.max_tokens:  # two generations spliced into one answer
-            return Outcome(t0, time.monotonic(), "duplicated", f"{tokens} tokens")
-        return Outcome(t0, time.monotonic(), "ok" if finished else "lost")
+            return Outcome(t0, time.monotonic(), "duplicated", f"{tokens} tokens", first)
+        return Outcome(t0, time.monotonic(), "ok" if finished else "lost", ttft=first)
 
     async def _loop(self, worker: int) -> None:
         client = openai.AsyncOpenAI(
