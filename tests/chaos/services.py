@@ -1,6 +1,7 @@
-"""Private instances of the services a chaos test breaks: its own RabbitMQ node and its own
-PostgreSQL cluster, on their own ports and data directories, so that killing them never touches
-the machine's shared ones. Both run as their packages' users (neither runs as root)."""
+"""Private instances of the services a chaos test breaks: its own RabbitMQ node, its own
+PostgreSQL cluster and its own Redis, on their own ports and data directories, so that killing
+them never touches the machine's shared ones. RabbitMQ and PostgreSQL run as their packages'
+users (neither runs as root); Redis runs as the test's user, without persistence."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ from pathlib import Path
 from replicas.launcher import free_port
 from tests.services import in_ci
 
-__all__ = ["PrivatePostgres", "PrivateRabbit", "private_postgres", "private_rabbitmq", "service_dir"]
+__all__ = [
+    "PrivatePostgres",
+    "PrivateRabbit",
+    "PrivateRedis",
+    "private_postgres",
+    "private_rabbitmq",
+    "private_redis",
+    "service_dir",
+]
 
 
 @contextlib.contextmanager
@@ -210,3 +219,47 @@ def private_postgres(tmp: Path) -> Iterator[PrivatePostgres]:
         yield pg
     finally:
         pg.stop()
+
+
+@dataclass
+class PrivateRedis:
+    """A ``redis-server`` on its own port, without persistence (``--save ''``, no AOF): restarted,
+    it comes back empty, as a cache node that lost its memory does."""
+
+    root: Path
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> None:
+        exe = shutil.which("redis-server")
+        assert exe is not None
+        argv = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.root)]
+        argv += ["--save", "", "--appendonly", "no"]
+        log = (self.root / "redis.log").open("ab")
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        _wait_port(self.port, timeout, "the private Redis", alive=self.proc)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, the clients' connections reset, no goodbye."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def private_redis(tmp: Path) -> Iterator[PrivateRedis]:
+    if shutil.which("redis-server") is None:
+        _missing("redis-server")
+    root = tmp / "redis"
+    root.mkdir(parents=True, exist_ok=True)
+    redis = PrivateRedis(root, free_port())
+    try:
+        redis.start()
+        yield redis
+    finally:
+        redis.kill()
