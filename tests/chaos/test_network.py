@@ -56,14 +56,25 @@ def _p95(values: Sequence[float]) -> float:
 
 
 def _decisions(gw: Gateway) -> dict[str, float]:
-    return {r: gw.metric("tidal_router_decisions_total", replica=r) for r in ("replica-0", "replica-1")}
+    """Routing decisions per replica, and per session-ring result (``hit``: the session's home)."""
+    out = {r: gw.metric("tidal_router_decisions_total", replica=r) for r in ("replica-0", "replica-1")}
+    for result in ("hit", "walked", "followed", "miss"):
+        out[result] = gw.metric("tidal_router_session_total", result=result)
+    return out
 
 
 def _share(before: dict[str, float], after: dict[str, float]) -> float:
     """The degraded replica's (replica-0's) share of the decisions between two readings."""
-    d = {r: after[r] - before[r] for r in after}
+    d = {r: after[r] - before[r] for r in ("replica-0", "replica-1")}
     total = sum(d.values())
     return d["replica-0"] / total if total else float("nan")
+
+
+def _off_home(before: dict[str, float], after: dict[str, float]) -> float:
+    """The share of decisions that placed a session off its home replica on the ring."""
+    d = {r: after[r] - before[r] for r in ("hit", "walked", "followed", "miss")}
+    total = sum(d.values())
+    return 1 - d["hit"] / total if total else float("nan")
 
 
 def _ttfts(outcomes: list[Outcome], start: float, end: float) -> list[float]:
@@ -108,13 +119,16 @@ async def test_latency_and_packet_loss_on_one_replica(tmp_path: Path) -> None:
     bound = base_p95 + DELAY_S
     recovered = _recovered_at(outcomes, clean_at, bound)
     recovery_s = recovered - clean_at if recovered is not None else None
-    share_before = _share({"replica-0": 0.0, "replica-1": 0.0}, base_decisions)
+    zero = dict.fromkeys(base_decisions, 0.0)
+    share_before = _share(zero, base_decisions)
+    off_before, off_during = _off_home(zero, base_decisions), _off_home(base_decisions, degraded_decisions)
     share_during = _share(base_decisions, degraded_decisions)
     slowest = max(o.end - o.start for o in outcomes)
     note = (
         f"{DELAY_S * 1000:.0f} ms each way, {LOSS:.0%} of chunks stalled "
         f"{RTO_S[0] * 1000:.0f}-{RTO_S[1] * 1000:.0f} ms ({stalled} stalls); degraded replica's share "
-        f"{share_before:.2f} -> {share_during:.2f}; TTFT p95 {base_p95 * 1000:.0f} ms -> "
+        f"{share_before:.2f} -> {share_during:.2f}, sessions placed off their home {off_before:.0%} -> "
+        f"{off_during:.0%}; TTFT p95 {base_p95 * 1000:.0f} ms -> "
         f"{_p95(degraded) * 1000:.0f} ms; slowest request {slowest:.1f} s of its {clients.timeout_s:g} s; "
         "recovery from the link made clean to TTFT back within baseline p95 + "
         f"{DELAY_S * 1000:.0f} ms"
