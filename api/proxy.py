@@ -217,7 +217,14 @@ class _Watch:
             and b"\r" not in piece
             and self._decoder.idle
         ):
-            self._count_one(piece[6:-2])
+            data = piece[6:-2]  # _count_one, inline: this is the per-token path
+            if data == b"[DONE]":
+                self.done = True
+            else:
+                self._tail += 1
+                self._last = data
+                self._t_before = self.t_last
+                self.t_last = self._now()
             return "token"
         if self.broken:
             return "token"
