@@ -49,7 +49,7 @@ from router.registry import ReplicaRegistry, ReplicaState
 from router.scraper import MetricsScraper
 from router.types import RouteRequest
 from tidal.clock import Clock, SystemClock, WallClock
-from tidal.fleet import FleetConfig, KVEventsSpec, QuotaSpec
+from tidal.fleet import EMBEDDINGS_ENDPOINT, FleetConfig, KVEventsSpec, QuotaSpec
 from tidal.settings import Settings
 
 __all__ = ["SESSION_HEADER", "InteractiveService"]
@@ -222,19 +222,32 @@ class InteractiveService:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def _model(self, name: str, tenant: str) -> tuple[str, str | None]:
-        if any(m.name == name for m in self.fleet.models):
-            return name, None
-        # An adapter bound to other tenants does not exist for this one: the same 404, no load.
-        adapter = self.fleet.adapter_for(name, tenant)
-        if adapter is not None:
-            return adapter.base_model, adapter.name
-        raise APIError(
-            404,
-            f"The model '{name[:200]}' does not exist or you do not have access to it.",
-            param="model",
-            code="model_not_found",
-        )
+    def _model(self, name: str, tenant: str, path: str) -> tuple[str, str | None]:
+        """The base model and adapter ``name`` stands for, when it can answer ``path`` (an
+        embedding model serves ``/v1/embeddings`` alone, a generative one everything else)."""
+        models = {m.name: m for m in self.fleet.models}
+        spec, adapter = models.get(name), None
+        if spec is None:
+            # An adapter bound to other tenants does not exist for this one: the same 404, no load.
+            bound = self.fleet.adapter_for(name, tenant)
+            spec = models.get(bound.base_model) if bound is not None else None
+            if bound is None or spec is None:
+                raise APIError(
+                    404,
+                    f"The model '{name[:200]}' does not exist or you do not have access to it.",
+                    param="model",
+                    code="model_not_found",
+                )
+            adapter = bound.name
+        if spec.embedding != (path == EMBEDDINGS_ENDPOINT):
+            kind = "an embedding model" if spec.embedding else "not an embedding model"
+            raise APIError(
+                400,
+                f"The model '{name[:200]}' does not serve {path}: it is {kind}.",
+                param="model",
+                code="model_not_supported",
+            )
+        return spec.name, adapter
 
     def _tenant_weight(self, tenant: str) -> float:
         spec = self.fleet.tenant(tenant)
@@ -257,7 +270,7 @@ class InteractiveService:
     ) -> ProxyResponse:
         """Check, plan and key one request; every refusal raises an OpenAI-shaped :class:`APIError`."""
         arrived = self.clock.now()
-        base, adapter = self._model(request.model, principal.tenant)
+        base, adapter = self._model(request.model, principal.tenant, path)
         body = request.model_dump(exclude_unset=True, exclude_none=True)
         body["model"] = request.model
         prefix_key: int | None

@@ -95,9 +95,10 @@ class BatchService:
         files = file_store_from_settings(settings)
         return cls(store=store, files=files, fleet=fleet, settings=settings, publisher=publisher)
 
-    def served_models(self, tenant: str) -> set[str]:
-        """The models and adapters ``tenant``'s lines may name (adapters bound to others are not)."""
-        return self.fleet.served_models(tenant)
+    def served_models(self, tenant: str, endpoint: str | None = None) -> set[str]:
+        """The models and adapters ``tenant``'s lines may name (adapters bound to others are not);
+        with ``endpoint``, those of them that can answer it."""
+        return self.fleet.served_models(tenant, endpoint)
 
     def resolve_feature(
         self, named: str | None, features: Set[str], default_feature: str | None, *, param: str
@@ -308,9 +309,13 @@ class BatchService:
             metadata_json=json.dumps(params.metadata) if params.metadata else None,
         )
         source = StoredFile(self.files, f.path)
-        served = self.served_models(tenant)
+        served = self.served_models(tenant, params.endpoint)
         report = validate_batch_file(
-            source, endpoint=params.endpoint, models=served, max_lines=self.settings.max_batch_lines
+            source,
+            endpoint=params.endpoint,
+            models=served,
+            max_lines=self.settings.max_batch_lines,
+            other_kind=self.served_models(tenant) - served,
         )
         limit = self._queued_limit(tenant) if check_queued_limit else None
         if limit is not None and not report.error_count:
@@ -382,7 +387,7 @@ class BatchService:
         page: list[dict[str, Any]] = []
         n = 0
         for line in iter_valid_lines(
-            source, endpoint=batch.endpoint, models=self.served_models(batch.tenant)
+            source, endpoint=batch.endpoint, models=self.served_models(batch.tenant, batch.endpoint)
         ):
             page.append(
                 {

@@ -12,7 +12,7 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +74,13 @@ def _raw_lines(source: Readable) -> Iterator[tuple[int, bytes]]:
 
 
 def _check(
-    no: int, raw: bytes, *, endpoint: str, models: set[str], report: ValidationReport
+    no: int,
+    raw: bytes,
+    *,
+    endpoint: str,
+    models: Set[str],
+    report: ValidationReport,
+    other_kind: Set[str] = frozenset(),
 ) -> ParsedLine | None:
     try:
         obj = json.loads(raw)
@@ -107,6 +113,15 @@ def _check(
         report.add(no, "invalid_body", f"Line {no}: body must be a JSON object.", "body")
         return None
     model = body.get("model")
+    if isinstance(model, str) and model in other_kind:
+        report.add(
+            no,
+            "model_not_supported",
+            f"Line {no}: model {model[:80]!r} cannot serve {endpoint} "
+            f"({'an embedding model' if endpoint != '/v1/embeddings' else 'not an embedding model'}).",
+            "body.model",
+        )
+        return None
     if not isinstance(model, str) or model not in models:
         known = ", ".join(sorted(models)) or "none"
         report.add(
@@ -128,9 +143,16 @@ def _check(
 
 
 def validate_batch_file(
-    source: Readable, *, endpoint: str, models: set[str], max_lines: int
+    source: Readable,
+    *,
+    endpoint: str,
+    models: Set[str],
+    max_lines: int,
+    other_kind: Set[str] = frozenset(),
 ) -> ValidationReport:
-    """Check every line; the report names each offending line (1-based, as in an editor)."""
+    """Check every line; the report names each offending line (1-based, as in an editor).
+    ``models`` are those that serve ``endpoint``; a line naming one of ``other_kind`` (served, but
+    not for this endpoint: a chat model in an embeddings batch) is ``model_not_supported``."""
     report = ValidationReport()
     seen: dict[str, int] = {}
     for no, raw in _raw_lines(source):
@@ -140,7 +162,7 @@ def validate_batch_file(
         if report.lines > max_lines:
             report.add(no, "too_many_requests", f"The file has more than {max_lines} requests.")
             break
-        parsed = _check(no, raw, endpoint=endpoint, models=models, report=report)
+        parsed = _check(no, raw, endpoint=endpoint, models=models, report=report, other_kind=other_kind)
         if parsed is None:
             continue
         first = seen.get(parsed.custom_id)
@@ -158,7 +180,7 @@ def validate_batch_file(
     return report
 
 
-def iter_valid_lines(source: Readable, *, endpoint: str, models: set[str]) -> Iterator[ParsedLine]:
+def iter_valid_lines(source: Readable, *, endpoint: str, models: Set[str]) -> Iterator[ParsedLine]:
     """The lines of a file that :func:`validate_batch_file` accepted (second pass, streaming)."""
     scratch = ValidationReport()
     for no, raw in _raw_lines(source):

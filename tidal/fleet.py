@@ -38,6 +38,7 @@ from pydantic import (
 
 __all__ = [
     "BATCH_ONLY_KINDS",
+    "EMBEDDINGS_ENDPOINT",
     "AdapterSpec",
     "AutoscalerSpec",
     "CanaryEvalSpec",
@@ -82,6 +83,8 @@ FeatureRef = Annotated[
 PoolKind = Literal["interactive", "batch", "spot", "long_context"]
 # Pools that only the batch tier uses: interactive requests are never placed on them.
 BATCH_ONLY_KINDS: frozenset[str] = frozenset({"batch", "spot"})
+# The one endpoint an embedding model (``models[].embedding``) answers, and the only one it does.
+EMBEDDINGS_ENDPOINT = "/v1/embeddings"
 
 
 class FleetConfigError(ValueError):
@@ -725,9 +728,20 @@ class FleetConfig(_Strict):
         adapter = self.adapter(name)
         return adapter if adapter is not None and adapter.serves(tenant) else None
 
-    def served_models(self, tenant: str) -> set[str]:
-        """The names ``tenant`` may ask for: every base model and the adapters it may use."""
-        return {m.name for m in self.models} | {a.name for a in self.adapters if a.serves(tenant)}
+    def served_models(self, tenant: str, endpoint: str | None = None) -> set[str]:
+        """The names ``tenant`` may ask for: every base model and the adapters it may use; with
+        ``endpoint``, only those that can answer it (an embedding model serves ``/v1/embeddings``
+        alone, a generative one everything else; an adapter is of its base model's kind)."""
+        embedding = endpoint == EMBEDDINGS_ENDPOINT
+        kinds = {m.name: m.embedding for m in self.models}
+        names = {
+            name for name, is_embedding in kinds.items() if endpoint is None or is_embedding == embedding
+        }
+        return names | {
+            a.name
+            for a in self.adapters
+            if a.serves(tenant) and (endpoint is None or kinds.get(a.base_model, False) == embedding)
+        }
 
     def all_replicas(self) -> list[tuple[PoolSpec, ReplicaSpec]]:
         return [(p, r) for p in self.pools.values() for r in p.replicas]

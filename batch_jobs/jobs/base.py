@@ -101,6 +101,8 @@ class JobKind:
 
     name: ClassVar[str] = ""
     Options: ClassVar[type[JobOptions]] = JobOptions
+    # The endpoint its stages send to: the job's model must serve it (checked at submission).
+    endpoint: ClassVar[str] = "/v1/chat/completions"
 
     def parse_options(self, options: dict[str, Any]) -> JobOptions:
         from pydantic import ValidationError
@@ -113,7 +115,8 @@ class JobKind:
             raise InvalidRequest(f"options.{loc}: {first['msg']}", param=f"options.{loc}") from None
 
     def check_options(self, options: Any, *, served_models: set[str]) -> None:
-        """Cross-checks against the fleet (e.g. a judge model that is served)."""
+        """Cross-checks against the fleet (e.g. a judge model that is served): ``served_models``
+        are the models that serve the kind's :attr:`endpoint`."""
 
     def start(self, ctx: JobContext) -> Stage:
         raise NotImplementedError

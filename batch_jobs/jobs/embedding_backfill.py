@@ -25,6 +25,7 @@ from batch_jobs.jobs.base import (
     Stage,
     read_dataset,
 )
+from tidal.fleet import EMBEDDINGS_ENDPOINT
 
 __all__ = ["EmbeddingBackfill", "EmbeddingOptions"]
 
@@ -38,6 +39,7 @@ class EmbeddingBackfill(JobKind):
     """``embedding_backfill``: one stage of embedding requests, then the two output files."""
 
     name = "embedding_backfill"
+    endpoint = EMBEDDINGS_ENDPOINT
     Options = EmbeddingOptions
 
     def start(self, ctx: JobContext) -> Stage:
@@ -56,7 +58,7 @@ class EmbeddingBackfill(JobKind):
             if o.dimensions:
                 body["dimensions"] = o.dimensions
             lines.append({"custom_id": f"group-{g}", "body": body})
-        return Stage("/v1/embeddings", lines, name="embed")
+        return Stage(self.endpoint, lines, name="embed")
 
     def advance(self, ctx: JobContext, answers: dict[str, Answer]) -> Finished:
         o: EmbeddingOptions = ctx.options

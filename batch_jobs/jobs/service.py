@@ -37,6 +37,7 @@ from batch_jobs.models import (
     ListPage,
 )
 from batch_jobs.service import DATASET_PURPOSES, BatchService
+from tidal.fleet import EMBEDDINGS_ENDPOINT
 
 __all__ = ["KINDS", "JobService"]
 
@@ -82,8 +83,18 @@ class JobService:
             options.feature, features, default_feature, param="options.feature"
         )
         options = options.model_copy(update={"feature": feature})
-        served = self.batch.served_models(tenant)
+        served = self.batch.served_models(tenant, kind.endpoint)
         if params.model not in served:
+            if params.model in self.batch.served_models(tenant):
+                what = (
+                    "embedding model" if kind.endpoint == EMBEDDINGS_ENDPOINT else "chat or completion model"
+                )
+                raise InvalidRequest(
+                    f"model {params.model!r} cannot run {kind.name} jobs: they need an {what} "
+                    f"(one that serves {kind.endpoint}); served for them: {', '.join(sorted(served)) or 'none'}",
+                    param="model",
+                    code="model_not_supported",
+                )
             raise InvalidRequest(
                 f"model {params.model!r} is not served here", param="model", code="model_not_found"
             )

@@ -46,6 +46,18 @@ ADMIN_KEY = "admin-key-for-tests-0123456789"
 ACME_KEY = "acme-key-for-tests-0123456789"
 
 
+def with_embedding_pool(fleet: dict[str, Any], urls: list[str], model: str = "tiny-embed") -> dict[str, Any]:
+    """``fleet`` plus an embedding model served by a pool of its own on ``urls`` (embedding
+    requests for a generative model are refused by the gateway)."""
+    fleet["models"].append({"name": model, "embedding": True})
+    fleet["pools"]["embed"] = {
+        "kind": "interactive",
+        "model": model,
+        "replicas": [{"name": f"embed-{i}", "url": u} for i, u in enumerate(urls)],
+    }
+    return fleet
+
+
 def fleet_dict(
     replica_urls: list[str],
     *,

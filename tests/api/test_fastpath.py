@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from api.app import GatewayApp, create_app
 from api.auth import KeyStore, Principal
-from tests.api.harness import fleet_dict
+from tests.api.harness import fleet_dict, with_embedding_pool
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 
@@ -32,7 +32,10 @@ def _app() -> GatewayApp:
     keys.add_key("dev-key", Principal("dev", frozenset({"*"})))
     keys.add_key("acme-key", Principal("acme", frozenset({"chat"})))
     fleet = FleetConfig.model_validate(
-        fleet_dict(["http://127.0.0.1:9"], gateway={"max_queue": 16, "max_body_bytes": LIMIT})
+        with_embedding_pool(
+            fleet_dict(["http://127.0.0.1:9"], gateway={"max_queue": 16, "max_body_bytes": LIMIT}),
+            ["http://127.0.0.1:9"],
+        )
     )
     app = create_app(fleet, Settings(_env_file=None), keys=keys)
     assert isinstance(app, GatewayApp)
@@ -179,7 +182,7 @@ def test_well_formed_requests_do_not_reach_fastapi(clients: tuple[TestClient, Te
     for path, payload in (
         (CHAT, {"model": "tiny", "messages": MSG, "stream": True, "max_tokens": 4}),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4}),
-        ("/v1/embeddings", {"model": "tiny", "input": "x"}),
+        ("/v1/embeddings", {"model": "tiny-embed", "input": "x"}),
     ):
         # The app was not started, so no replica has a client: the proxy answers 503 no_replica.
         a = fast.post(path, content=_body(payload), headers=_headers(ctype="application/json; charset=utf-8"))

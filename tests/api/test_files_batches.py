@@ -28,8 +28,11 @@ MAX_BYTES = 64 * 1024
 def tc(tmp_path: Path) -> Iterator[TestClient]:
     fleet = parse_fleet(
         {
-            "models": [{"name": "tiny"}],
-            "adapters": [{"name": "tiny-lora", "path": "/x", "base_model": "tiny"}],
+            "models": [{"name": "tiny"}, {"name": "tiny-embed", "embedding": True}],
+            "adapters": [
+                {"name": "tiny-lora", "path": "/x", "base_model": "tiny"},
+                {"name": "embed-lora", "path": "/y", "base_model": "tiny-embed"},
+            ],
             "pools": {
                 "batch": {
                     "kind": "batch",
@@ -166,6 +169,15 @@ def test_tenants_see_only_their_own_files_and_batches(a: openai.OpenAI, b: opena
             [(1, "model_not_found"), (3, "invalid_value"), (4, "missing_required_parameter")],
             id="model not served, streaming, no messages",
         ),
+        pytest.param(
+            [
+                _line(custom_id="a", body={"model": "tiny-embed", "messages": []}),
+                _line(custom_id="b", body={"model": "embed-lora", "messages": []}),
+                _line(custom_id="c", body={"model": "tiny-lora", "messages": []}),
+            ],
+            [(1, "model_not_supported"), (2, "model_not_supported")],
+            id="an embedding model or its adapter in a chat batch",
+        ),
     ],
 )
 def test_bad_lines_fail_the_batch_naming_every_line(
@@ -177,6 +189,24 @@ def test_bad_lines_fail_the_batch_naming_every_line(
     assert all(f"Line {e.line}" in e.message for e in batch.errors.data)
     assert batch.request_counts.total == 0
     assert a.batches.retrieve(batch.id).status == "failed"
+
+
+def test_an_embeddings_batch_takes_embedding_models_only(a: openai.OpenAI) -> None:
+    def line(cid: str, model: str) -> dict[str, Any]:
+        return {
+            "custom_id": cid,
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": model, "input": "x"},
+        }
+
+    refused = _create(a, _jsonl(line("a", "tiny-embed"), line("b", "tiny")), endpoint="/v1/embeddings")
+    assert refused.status == "failed"
+    [error] = refused.errors.data
+    assert (error.line, error.code) == (2, "model_not_supported")
+    assert "/v1/embeddings" in error.message and "not an embedding model" in error.message
+    ok = _create(a, _jsonl(line("a", "tiny-embed"), line("b", "embed-lora")), endpoint="/v1/embeddings")
+    assert ok.status != "failed" and ok.request_counts.total == 2
 
 
 def test_too_many_lines_fail_the_batch(a: openai.OpenAI) -> None:

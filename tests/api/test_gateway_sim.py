@@ -67,6 +67,17 @@ def test_chat_and_embeddings_through_the_sdk(gateway: Gateway) -> None:
     emb = client.embeddings.create(model="embed-model", input=["one", "two"])
     assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
     assert emb.data[0].embedding != emb.data[1].embedding
+    # A model of the other kind is refused by the gateway, OpenAI-shaped, before any replica
+    with pytest.raises(openai.BadRequestError) as chat_on_embed:
+        client.chat.completions.create(model="embed-model", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as embed_on_chat:
+        client.embeddings.create(model="chat-model", input=["one"])
+    for err, needle in (
+        (chat_on_embed, "it is an embedding model"),
+        (embed_on_chat, "not an embedding model"),
+    ):
+        assert err.value.code == "model_not_supported" and err.value.param == "model"
+        assert needle in err.value.message
 
 
 def test_a_conversation_is_placed_where_the_gateway_knows_its_history_is_cached(gateway: Gateway) -> None:

@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.app import create_app
 from api.auth import KeyStore, Principal
-from tests.api.harness import ADMIN_KEY, DEV_KEY, Gateway, fleet_dict, run_gateway
+from tests.api.harness import ADMIN_KEY, DEV_KEY, Gateway, fleet_dict, run_gateway, with_embedding_pool
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 
@@ -194,11 +194,10 @@ def _completion(text: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, QuirkyReplica]]:
-    with (
-        QuirkyReplica() as replica,
-        run_gateway(tmp_path_factory.mktemp("gw-wire"), fleet_dict([replica.url])) as gw,
-    ):
-        yield gw, replica
+    with QuirkyReplica() as replica:
+        fleet = with_embedding_pool(fleet_dict([replica.url]), [replica.url])
+        with run_gateway(tmp_path_factory.mktemp("gw-wire"), fleet) as gw:
+            yield gw, replica
 
 
 def test_tokens_stream_as_they_are_produced_over_crlf_framing(gateway: tuple[Gateway, QuirkyReplica]) -> None:
@@ -343,7 +342,7 @@ def test_the_upstream_status_is_passed_through(gateway: tuple[Gateway, QuirkyRep
     gw, _ = gateway
     resp = httpx.post(
         gw.url + "/v1/embeddings",
-        json={"model": "tiny", "input": "hello"},
+        json={"model": "tiny-embed", "input": "hello"},
         headers={"Authorization": f"Bearer {DEV_KEY}"},
         timeout=30,
     )

@@ -20,7 +20,10 @@ from tidal.settings import Settings
 def tc(tmp_path: Path) -> Iterator[TestClient]:
     fleet = parse_fleet(
         {
-            "models": [{"name": "tiny", "max_model_len": 4096}],
+            "models": [
+                {"name": "tiny", "max_model_len": 4096},
+                {"name": "tiny-embed", "max_model_len": 512, "embedding": True},
+            ],
             "pools": {
                 "batch": {
                     "kind": "batch",
@@ -87,6 +90,9 @@ def test_a_job_starts_its_first_batch(tc: TestClient) -> None:
     [
         ({"kind": "translate"}, 400, "kind"),
         ({"model": "nope"}, 400, "not served"),
+        ({"model": "tiny-embed"}, 400, "model_not_supported"),
+        ({"kind": "embedding_backfill", "model": "tiny"}, 400, "need an embedding model"),
+        ({"options": {"scorer": "judge", "judge_model": "tiny-embed"}}, 400, "judge_model"),
         ({"options": {"scorer": "judge"}}, 400, "judge_model"),
         ({"options": {"scorer": "judge", "judge_model": "nope"}}, 400, "judge_model"),
         ({"options": {"scorer": "regex", "pattern": "("}}, 400, "pattern"),
@@ -110,3 +116,13 @@ def test_bad_job_requests_are_refused_and_create_nothing(
     assert needle.lower() in json.dumps(err).lower()
     assert tc.get("/v1/jobs", headers={"Authorization": "Bearer key-a"}).json()["data"] == []
     assert tc.get("/v1/batches", headers={"Authorization": "Bearer key-a"}).json()["data"] == []
+
+
+def test_an_embedding_backfill_starts_on_an_embedding_model(tc: TestClient) -> None:
+    fid = _upload(tc, b'{"id": 1, "text": "a"}\n{"id": 2, "text": "b"}\n')
+    r = _post(tc, {"kind": "embedding_backfill", "input_file_id": fid, "model": "tiny-embed", "options": {}})
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["status"] == "in_progress" and job["current_batch"]["request_counts"]["total"] == 1
+    batch = tc.get(f"/v1/batches/{job['batch_ids'][0]}", headers={"Authorization": "Bearer key-a"}).json()
+    assert batch["endpoint"] == "/v1/embeddings"

@@ -31,7 +31,7 @@ def test_default_fleet_loads() -> None:
     fleet = load_fleet(DEFAULT_FLEET_PATH)
     assert fleet.pools["interactive"].shared
     assert fleet.pools["interactive"].name == "interactive"
-    assert [r.name for _, r in fleet.all_replicas()] == ["sim-i0", "sim-i1", "sim-b0"]
+    assert [r.name for _, r in fleet.all_replicas()] == ["sim-i0", "sim-i1", "sim-e0", "sim-b0"]
     assert fleet.features["chat"].class_ == "interactive"
 
 
@@ -333,6 +333,8 @@ def test_isolation_keys_load() -> None:
     assert fleet.pools["eu"].region == "eu-west" and fleet.external_provider is not None
     assert fleet.served_models("acme") == {"m", "acme-lora", "shared-lora"}
     assert fleet.served_models("globex") == {"m", "shared-lora"}
+    assert fleet.served_models("acme", "/v1/chat/completions") == {"m", "acme-lora", "shared-lora"}
+    assert fleet.served_models("acme", "/v1/embeddings") == set()
     assert fleet.adapter_for("acme-lora", "globex") is None
     assert fleet.features["gdpr"].allows_region("eu-west")
     assert not fleet.features["gdpr"].allows_region(None)

@@ -50,7 +50,7 @@ def test_the_autoscaler_line_gives_each_pools_capacity_once_the_scheduler_export
 def test_tidal_up_runs_the_autoscaler_and_prints_its_planned_capacity(tmp_path: Path) -> None:
     # The embedded fleet, on free ports (the replicas' ports are fixed in it)
     text = DEFAULT_FLEET_PATH.read_text()
-    for old in ("8101", "8102", "8103"):
+    for old in ("8101", "8102", "8103", "8104"):
         text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{free_port()}")
     (tmp_path / "fleet.yaml").write_text(text)
     env = {**os.environ, "TIDAL_QUEUE_NAMESPACE": f"t{secrets.token_hex(5)}"}
