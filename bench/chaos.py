@@ -5,7 +5,10 @@ the test itself started) and prints one row per fault: requests sent, failed (th
 error it can retry on), retried (by the gateway, unseen by the client), lost (cut without an
 error), duplicated (answered twice), hung (past the client's timeout), and the time to recover
 (interactive: from the fault to the end of the last failed request; batch: from the fault to the
-first line answered after it). Each test also asserts its row's targets (0 lost,
+first line answered after it; a fault that fails no request -- latency and loss on one replica, a
+KV-event stream cut, Redis lost, a failing autoscaler actuator -- from its end until what it
+broke is whole again: TTFT near baseline, the index current, every gateway rejoined, the pool at
+its size). Each test also asserts its row's targets (0 lost,
 0 duplicated, 0 hung, every request after recovery answered); a failed test shows in the
 ``passed`` column and makes the benchmark's result say so.
 

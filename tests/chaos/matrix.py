@@ -6,7 +6,9 @@ retried (by the gateway, invisibly to the client), lost (an answer that ended wi
 and without an error: the client cannot tell it was cut), duplicated, hung (no answer nor error
 within the client's timeout), and the time to recover: for interactive rows from the fault to the
 end of the last request that failed; for batch rows from the fault to the first line answered
-after it (a broker or database restart included). ``tidal bench chaos`` runs the suite with ``TIDAL_CHAOS_RESULTS`` naming a
+after it (a broker or database restart included); for faults that fail no request (a degraded
+link, a cut KV-event stream, Redis lost, a failing actuator) from the fault's end to the state it
+broke being whole again, as the row's note says. ``tidal bench chaos`` runs the suite with ``TIDAL_CHAOS_RESULTS`` naming a
 file and prints the rows; without it the rows are only printed.
 """
 
