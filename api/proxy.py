@@ -29,6 +29,7 @@ import json
 import logging
 import re
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from router.registry import ReplicaRegistry, ReplicaState
 from router.types import RouteRequest
 from tidal.clock import Clock
 from tidal.fleet import QuotaSpec
+from tidal.logs import ACCESS, REQUEST_ID
 
 __all__ = ["Proxy", "ProxyJob", "ProxyResponse", "UpstreamHandle"]
 
@@ -127,6 +129,7 @@ class ProxyJob:
     raw_send: Send | None = None  # the server's send, past the middleware wrappers
     tenant: str = ""
     completion_tokens: int | None = None  # what the answer generated, once known
+    replica: str | None = None  # the upstream of the last attempt
 
     def disconnected(self) -> None:
         self.client_gone = True
@@ -658,6 +661,7 @@ class Proxy:
         request as the client sent it."""
         handle = UpstreamHandle()
         job.handle = handle
+        job.replica = target.name
         job.prefilled = False
         state = target.state
         if state is not None:
@@ -887,12 +891,52 @@ class ProxyResponse(Response):
 
         loop = asyncio.get_running_loop()
         watcher = loop.create_task(watch())
+        status: list[int] = []
+        if ACCESS.isEnabledFor(logging.INFO):
+            send = _status_into(send, status)
         # The job runs as a task of its own: a stream resumes once per token, and a resumption
         # walks every frame that awaits it -- here the server's, each middleware's and the
         # endpoint's; in its own task, only the proxy's. Cancelling this coroutine cancels the
-        # task it awaits.
+        # task it awaits. It starts with the request's id in its context: its log lines name it.
+        token = REQUEST_ID.set(job.request_id)
         runner = loop.create_task(self._run(job, send))
+        REQUEST_ID.reset(token)
+        started = time.monotonic()
         try:
             await runner
         finally:
             watcher.cancel()
+            if ACCESS.isEnabledFor(logging.INFO):
+                _access(job, status[0] if status else None, time.monotonic() - started)
+
+
+def _status_into(send: Send, status: list[int]) -> Send:
+    """``send``, noting the response's status in ``status`` (for the access log)."""
+
+    async def noting(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+        await send(message)
+
+    return noting
+
+
+def _access(job: ProxyJob, status: int | None, seconds: float) -> None:
+    """The request's access-log line (:mod:`tidal.logs`)."""
+    ACCESS.info(
+        "request",
+        extra={
+            "request_id": job.request_id,
+            "method": "POST",
+            "path": job.path,
+            "status": status if status is not None else 499 if job.client_gone else None,
+            "tenant": job.tenant,
+            "feature": job.plan.feature,
+            "model": job.body.get("model"),
+            "pool": job.plan.pool or "external",
+            "replica": job.replica,
+            "stream": job.stream,
+            "completion_tokens": job.completion_tokens,
+            "duration_ms": round(seconds * 1000, 2),
+        },
+    )

@@ -38,6 +38,8 @@ from types import FrameType
 
 from starlette.types import ASGIApp
 
+from tidal.logs import uvicorn_log_config
+
 __all__ = ["reuseport_socket", "serve_workers"]
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,13 @@ def _worker(build: Callable[[], ASGIApp], host: str, port: int, index: int) -> N
     app = build()
     gc.freeze()  # as the one-process gateway does: long-lived objects out of the collector's walk
     config = uvicorn.Config(
-        app, loop="uvloop", http="httptools", log_level="warning", access_log=False, lifespan="on"
+        app,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        log_config=uvicorn_log_config(),
+        access_log=False,
+        lifespan="on",
     )
     uvicorn.Server(config).run(sockets=[sock])
 

@@ -14,6 +14,7 @@ middleware             does
 ``Preemption``         SIGTERM (spot notice): stop sending, finish in-flight within the window
 ``BatchClosed``        the batch was cancelled or expired: stop, keep what is done
 ``Metrics``            ``tidal_worker_*`` Prometheus series per lane
+``AccessLog``          one ``tidal.access`` line per attempt, named by its request id
 =====================  ===============================================================
 
 Example::
@@ -39,11 +40,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from priority.classes import vllm_priority
 from replicas.errors import ReplicaError
+from tidal.logs import ACCESS
 
 if TYPE_CHECKING:
     from workers.chunk import ChunkContext, ChunkOutcome
 
 __all__ = [
+    "AccessLog",
     "Attempt",
     "BatchClosed",
     "ChunkMiddleware",
@@ -130,6 +133,31 @@ class PriorityMapping(ChunkMiddleware):
             req.body["priority"] = vllm_priority(ctx.priority)
         safe = _SAFE_ID.sub("_", req.custom_id)[:64]
         req.headers["X-Request-Id"] = f"batch-{ctx.batch_id}-{safe}"
+
+
+class AccessLog(ChunkMiddleware):
+    """With the access log on (:mod:`tidal.logs`), one line per attempt at a batch line, under the
+    request id the replica got: a line is followed from gateway to worker to replica by that id."""
+
+    def after_request(self, ctx: ChunkContext, req: OutgoingRequest, attempt: Attempt) -> None:
+        if not ACCESS.isEnabledFor(logging.INFO):
+            return
+        ACCESS.info(
+            "batch line",
+            extra={
+                "request_id": req.headers.get("X-Request-Id"),
+                "batch_id": ctx.batch_id,
+                "custom_id": req.custom_id,
+                "line": req.line_no,
+                "path": ctx.endpoint,
+                "replica": attempt.replica,
+                "attempt": req.attempt,
+                "status": attempt.status,
+                "error": str(attempt.error) if attempt.error is not None else None,
+                "aborted": attempt.aborted or None,
+                "duration_ms": round(attempt.seconds * 1000, 2),
+            },
+        )
 
 
 class Retries(ChunkMiddleware):

@@ -61,6 +61,7 @@ from tidal.fleet import FleetConfig, PoolSpec, ReplicaSpec
 from tidal.settings import Settings
 from workers.chunk import ChunkExecutor, ChunkOutcome, ChunkWork, PendingLine, ReplicaSet, ReplicaSlot
 from workers.middleware import (
+    AccessLog,
     BatchClosed,
     ChunkMiddleware,
     LaneGate,
@@ -193,6 +194,7 @@ class WorkerRuntime:
         self.preemption = Preemption(grace_s=max(0.0, settings.soft_shutdown_s - 3.0))
         self.metrics = Metrics()
         self.middleware: list[ChunkMiddleware] = [
+            AccessLog(),  # first: its after_request sees what the others made of the attempt
             self.metrics,
             PriorityMapping(),
             Retries(),

@@ -61,6 +61,7 @@ from replicas.sim.tokenizer import (
 )
 from replicas.wire.kv_events import HASH_ALGOS, KVEventPublisher, KVEventsConfig
 from replicas.wire.prom import Histogram, counter_family, gauge_family, histogram_family, summary_family
+from tidal.logs import ACCESS, uvicorn_log_config
 
 __all__ = ["ServerConfig", "SimServer", "serve"]
 
@@ -628,9 +629,20 @@ class SimServer:
             status, size_out = await _respond(send, err.status, err.body(), _JSON)
         finally:
             handler_name = path if path in self._paths else "none"
-            self.http_metrics.observe(
-                handler_name, method, status, size_in, size_out, time.perf_counter() - t0
-            )
+            seconds = time.perf_counter() - t0
+            self.http_metrics.observe(handler_name, method, status, size_in, size_out, seconds)
+            if method == "POST" and ACCESS.isEnabledFor(logging.INFO):
+                ACCESS.info(
+                    "request",
+                    extra={
+                        # The id the engine ran the request under (vLLM takes X-Request-Id so).
+                        "request_id": headers.get("x-request-id"),
+                        "method": method,
+                        "path": path,
+                        "status": status,
+                        "duration_ms": round(seconds * 1000, 2),
+                    },
+                )
 
     async def _read_body(self, receive: Receive, headers: Mapping[str, str]) -> bytes:
         limit = self.config.max_request_bytes
@@ -1441,6 +1453,7 @@ def serve(
         http="httptools",
         lifespan="on",
         log_level=log_level,
+        log_config=uvicorn_log_config(),
         access_log=False,
         timeout_keep_alive=30,
         limit_concurrency=max(1024, config.max_num_queued_reqs * 2),

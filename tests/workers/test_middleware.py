@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 
 import pytest
 
 from replicas.client import ReplicaClient
 from replicas.errors import ReplicaRequestError, ReplicaServerError, ReplicaTimeout, ReplicaUnavailable
+from tidal.logs import REQUEST_ID, JsonFormatter, RequestIdFilter
 from workers.chunk import ChunkContext, ChunkOutcome, ChunkWork, ReplicaSet, ReplicaSlot
 from workers.middleware import (
+    AccessLog,
     Attempt,
     ChunkMiddleware,
     LaneGate,
@@ -163,3 +167,49 @@ async def test_a_replica_set_changes_membership_without_losing_busy_slots() -> N
         rs.replace_slots([])
     for s in (a, b, c):
         await s.client.aclose()
+
+
+async def test_the_access_log_names_each_attempt_by_the_request_id_the_replica_got(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ctx, req = _ctx(), _req("cid/7")
+    PriorityMapping().before_request(ctx, req)
+    access = AccessLog()
+    with caplog.at_level(logging.WARNING, logger="tidal.access"):
+        access.after_request(ctx, req, Attempt("r1", status=200, seconds=0.25))
+    assert not caplog.records  # off: nothing per line
+    with caplog.at_level(logging.INFO, logger="tidal.access"):
+        access.after_request(ctx, req, Attempt("r1", status=200, seconds=0.25))
+        access.after_request(ctx, req, Attempt("r2", error=ReplicaTimeout("slow", replica="r2")))
+    ok, failed = caplog.records
+    assert ok.request_id == failed.request_id == "batch-batch_x-cid_7"  # type: ignore[attr-defined]
+    assert (ok.batch_id, ok.custom_id, ok.replica, ok.status, ok.duration_ms) == (  # type: ignore[attr-defined]
+        "batch_x",
+        "cid/7",
+        "r1",
+        200,
+        250.0,
+    )
+    assert failed.status is None and "slow" in failed.error  # type: ignore[attr-defined]
+    line = json.loads(JsonFormatter().format(ok))
+    assert line["request_id"] == "batch-batch_x-cid_7" and line["msg"] == "batch line"
+    assert "error" not in line  # None fields are left out
+
+
+def test_json_lines_carry_the_current_request_id_and_the_extra_fields() -> None:
+    record = logging.LogRecord("tidal.x", logging.WARNING, __file__, 1, "went %s", ("wrong",), None)
+    token = REQUEST_ID.set("tidal-42")
+    try:
+        assert RequestIdFilter().filter(record)
+    finally:
+        REQUEST_ID.reset(token)
+    record.replica = "r1"
+    line = json.loads(JsonFormatter().format(record))
+    assert line == {
+        "ts": line["ts"],
+        "level": "WARNING",
+        "logger": "tidal.x",
+        "msg": "went wrong",
+        "request_id": "tidal-42",
+        "replica": "r1",
+    }

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import Any
 
 import click
 
 from tidal import __version__
+from tidal.logs import FORMATS, configure
 
 __all__ = ["main"]
 
@@ -72,16 +74,31 @@ class LazyGroup(click.Group):
     is_flag=True,
     help="Also log every HTTP request the command makes (httpx's INFO lines).",
 )
-def cli(log_level: str, verbose: bool) -> None:
+@click.option(
+    "--log-format",
+    type=click.Choice(FORMATS),
+    default="text",
+    show_default=True,
+    envvar="TIDAL_LOG_FORMAT",
+    help="text, or one JSON object per line with the request id of each (env TIDAL_LOG_FORMAT).",
+)
+@click.option(
+    "--access-log",
+    is_flag=True,
+    help="One log line per request (gateway, worker per batch line, simulator), on the "
+    "tidal.access logger, with its request id (env TIDAL_ACCESS_LOG).",
+)
+def cli(log_level: str, verbose: bool, log_format: str, access_log: bool) -> None:
     """Tidal: one GPU pool for interactive chat and batch LLM work.
 
     Start everything on simulated replicas with `tidal up`; each part can also run on its own
     (`tidal gateway`, `tidal worker`, `tidal scheduler`, `tidal sim`, ...).
     """
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # The processes a command starts (`tidal up`'s gateway, workers, simulators) log the same way.
+    os.environ["TIDAL_LOG_FORMAT"] = log_format
+    if access_log:
+        os.environ["TIDAL_ACCESS_LOG"] = "true"
+    configure(log_level, log_format)
     # A command prints what its user asked for, not a line per HTTP request it made (a `tidal jobs`
     # poll loop would print one a second); --verbose brings them back.
     for name in ("httpx", "httpx2", "httpcore"):

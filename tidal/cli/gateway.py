@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from tidal.cli.options import fleet_config_option, load_fleet_or_exit
+from tidal.logs import uvicorn_log_config
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
@@ -81,7 +83,10 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
         click.echo(f"fleet config {path}: {exc}", err=True)
         sys.exit(1)
     shared = f", load shared through Redis ({settings.redis_namespace})" if settings.redis_url else ""
-    click.echo(f"gateway on http://{host}:{port} (fleet {path}, {workers} process(es){shared})")
+    # A log line, not a print: with JSON logs every line the gateway writes is JSON.
+    logging.getLogger("tidal.gateway").info(
+        "gateway on http://%s:%d (fleet %s, %d process(es)%s)", host, port, path, workers, shared
+    )
     if workers > 1:
         from api.serve import serve_workers
 
@@ -99,5 +104,6 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
         loop="uvloop",
         http="httptools",
         log_level="warning",
+        log_config=uvicorn_log_config(),
         access_log=False,
     )
