@@ -210,25 +210,39 @@ class _Watch:
         (or ``"token"`` once the hold limit is passed), else ``None``."""
         self._left -= len(piece)
         if (
-            # Past the first token of one choice passed through, a piece that is one whole
-            # single-line data event (a token, the usage chunk, the end) with nothing pending is
-            # counted here, without the decoder: this runs once per streamed token.
+            # Past the first token of one choice passed through, a piece of whole single-line
+            # data events (tokens, the usage chunk, the end) with nothing pending is counted
+            # here, without the decoder: this runs once per streamed token.
             self._passing
             and piece[-2:] == b"\n\n"
             and piece[:6] == b"data: "
-            and piece.count(b"\n") == 2
             and b"\r" not in piece
             and self._decoder.idle
         ):
-            data = piece[6:-2]  # _count_one, inline: this is the per-token path
-            if data == b"[DONE]":
-                self.done = True
-            else:
-                self._tail += 1
-                self._last = data
-                self._t_before = self.t_last
-                self.t_last = self._now()
-            return "token"
+            lines = piece.count(b"\n")
+            if lines == 2:  # one event, the usual piece: _count_one, inline
+                data = piece[6:-2]
+                if data == b"[DONE]":
+                    self.done = True
+                else:
+                    self._tail += 1
+                    self._last = data
+                    self._t_before = self.t_last
+                    self.t_last = self._now()
+                return "token"
+            # Several (the replica's writes arrived together): when the n - 1 joins "\n\ndata: "
+            # and the final blank line hold every line feed, each event is one "data: " line.
+            if not lines & 1 and piece.count(b"\n\ndata: ") == (lines >> 1) - 1:
+                now = self._now()
+                for data in piece[6:-2].split(b"\n\ndata: "):
+                    if data == b"[DONE]":
+                        self.done = True
+                    else:
+                        self._tail += 1
+                        self._last = data
+                        self._t_before = self.t_last
+                        self.t_last = now
+                return "token"
         if self.broken:
             return "token"
         try:

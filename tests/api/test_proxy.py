@@ -4,6 +4,8 @@ reshaping, as tables."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from api.proxy import _upstream_error_body, _Watch
 from tidal.clock import ManualClock
@@ -158,6 +160,60 @@ def test_the_per_token_fast_path_counts_as_the_decoder_does(layout: str) -> None
 
     assert watched(fast=True) == watched(fast=False)
     assert watched(fast=True)[:2] == (9, True)
+
+
+# Events a replica (or something between it and the gateway) may send after the first token
+_EVENTS = st.sampled_from(
+    [
+        TOKEN,
+        TOKEN,
+        TOKEN.replace(b"\n", b"\r\n"),
+        b": keep-alive\n\n",
+        b"data: " + TOKEN[6:-2] + b"\ndata: \n\n",  # a two-line event
+        b"id: 7\n" + TOKEN,
+        b"data:" + TOKEN[6:],  # no space after the colon
+        b"\n",  # a stray blank line
+        FINISH,
+    ]
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    events=st.lists(_EVENTS, max_size=12),
+    tail=st.sampled_from([USAGE % 9 + DONE, DONE, b""]),
+    joins=st.lists(st.booleans(), min_size=16, max_size=16),
+    cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=3),
+)
+def test_the_fast_path_counts_any_stream_as_the_decoder_does(
+    events: list[bytes], tail: bytes, joins: list[bool], cuts: list[int]
+) -> None:
+    """Whatever the events and however the bytes come in pieces (several events in one, an event
+    across two), counting past the first token gives what the decoder alone gives."""
+    pieces = [ROLE, TOKEN]
+    for i, event in enumerate([*events, tail]):
+        if joins[i] and len(pieces) > 2:
+            pieces[-1] += event  # arrived with the one before
+        else:
+            pieces.append(event)
+    for cut in cuts:  # and a few pieces cut anywhere
+        i = 2 + cut % max(1, len(pieces) - 2)
+        if i < len(pieces) and len(pieces[i]) > 1:
+            at = 1 + cut % (len(pieces[i]) - 1)
+            pieces[i : i + 1] = [pieces[i][:at], pieces[i][at:]]
+
+    def watched(fast: bool) -> tuple[int, bool, float]:
+        clock = ManualClock()
+        watch = _Watch(clock)
+        for piece in pieces:
+            watch.feed(piece)
+            if not fast:
+                watch._passing = False
+            clock.advance(0.01)
+        assert watch.t_first is not None
+        return watch.tokens_per_choice(), watch.done, round(watch.t_last - watch.t_first, 6)
+
+    assert watched(fast=True) == watched(fast=False)
 
 
 def test_the_watch_knows_when_the_bytes_passed_on_end_inside_an_event() -> None:
