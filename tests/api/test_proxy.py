@@ -4,8 +4,7 @@ reshaping, as tables."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from api.proxy import _upstream_error_body, _Watch
 from tidal.clock import ManualClock
