@@ -212,11 +212,24 @@ class BatchTier:
         self.root.mkdir(parents=True, exist_ok=True)
         self.fleet_path.write_text(yaml.safe_dump(self.fleet))
 
-    def start_worker(self, lane: str, *, concurrency: int = 4, wait_ready: bool = True) -> WorkerProc:
+    def start_worker(
+        self, lane: str, *, concurrency: int = 4, wait_ready: bool = True, metrics_port: int | None = None
+    ) -> WorkerProc:
         n = len(self.workers)
         log_path = self.root / f"worker-{n}-{lane}.log"
+        metrics = ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tidal", "worker", "--lane", lane, "--concurrency", str(concurrency)],
+            [
+                sys.executable,
+                "-m",
+                "tidal",
+                "worker",
+                "--lane",
+                lane,
+                "--concurrency",
+                str(concurrency),
+                *metrics,
+            ],
             cwd=ROOT,
             env={**os.environ, **self.env()},
             stdout=log_path.open("wb"),

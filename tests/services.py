@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 
 import pytest
 
-__all__ = ["in_ci", "require_module", "require_tcp"]
+__all__ = ["in_ci", "require_module", "require_tcp", "require_tool"]
 
 
 def in_ci() -> bool:
@@ -33,3 +34,12 @@ def require_tcp(name: str, host: str, port: int, timeout: float = 2.0) -> None:
 def require_module(name: str, why: str) -> None:
     if importlib.util.find_spec(name) is None:
         _missing(f"python module {name!r} is not installed ({why})")
+
+
+def require_tool(name: str, why: str) -> str:
+    """The path of command ``name``; skip (or fail under CI) when it is not installed."""
+    path = shutil.which(name)
+    if path is None:
+        _missing(f"{name} is not installed ({why}; scripts/setup --dev installs it)")
+    assert path is not None
+    return path

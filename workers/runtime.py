@@ -498,9 +498,9 @@ class WorkerRuntime:
             self._finalize(batch_id)
             return "done"
         unclean = deliveries - 1 - releases  # earlier deliveries that ended without a clean release
-        if unclean >= self.settings.delivery_limit:
-            return self._dead_letter(batch, chunk_no, lines, deliveries)
         lane = queue_lane if self.lane == "all" else self.lane
+        if unclean >= self.settings.delivery_limit:
+            return self._dead_letter(batch, chunk_no, lines, deliveries, lane)
         plan = self._plan(batch, lane)
         if not plan.replicas:
             # No replica to send to right now (a pool scaled to zero, replicas not registered
@@ -542,7 +542,7 @@ class WorkerRuntime:
         raise Reject(f"released: {outcome.reason}", requeue=True)
 
     def _dead_letter(
-        self, batch: BatchRecord, chunk_no: int, lines: list[PendingLine], deliveries: int
+        self, batch: BatchRecord, chunk_no: int, lines: list[PendingLine], deliveries: int, lane: str
     ) -> str:
         message = (
             f"the chunk holding this request was delivered {deliveries} times without finishing "
@@ -554,6 +554,9 @@ class WorkerRuntime:
             [LineResult.failure(ln.line_no, "delivery_limit_exceeded", message) for ln in lines],
         )
         self._set_chunk(batch.id, chunk_no, "dead")
+        # Never run, so no middleware saw it end: counted here, under the lane the other chunk
+        # outcomes are (alert TidalDeadLetteredChunks).
+        self.metrics.chunks.labels(lane, "dead_lettered").inc()
         self._chunk_finished(batch.queue_lane)
         log.error("chunk %s/%s dead-lettered after %d deliveries", batch.id, chunk_no, deliveries)
         self._finalize(batch.id)

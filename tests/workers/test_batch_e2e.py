@@ -13,11 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from sqlalchemy import create_engine, text
 
 from priority.queues import Topology, queue_depths
+from replicas.launcher import free_port
 from tests.batch_tier import (
     RABBIT_URL,
     BatchTier,
@@ -240,7 +242,8 @@ def test_a_chunk_past_the_delivery_limit_dead_letters_into_the_error_file(tier: 
             )
         engine.dispose()
         # When a worker receives it again
-        tier.start_worker("reserved", concurrency=2)
+        metrics_port = free_port()
+        tier.start_worker("reserved", concurrency=2, metrics_port=metrics_port)
         final = _wait_final(client, batch.id)
         # Then its lines are in the error file with the reason, the rest succeeded
         out, err = _assert_exactly_once(client, final, 120)
@@ -253,6 +256,10 @@ def test_a_chunk_past_the_delivery_limit_dead_letters_into_the_error_file(tier: 
             assert depth.method.message_count == 1
         finally:
             conn.close()
+        # And the worker counted it, for the TidalDeadLetteredChunks alert
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        counted = [ln for ln in metrics.splitlines() if ln.startswith("tidal_worker_chunks_total{")]
+        assert 'tidal_worker_chunks_total{lane="reserved",outcome="dead_lettered"} 1.0' in counted, counted
 
 
 def test_work_for_a_pool_without_replicas_waits_in_the_queue(tier: BatchTier) -> None:
