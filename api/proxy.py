@@ -220,28 +220,14 @@ class _Watch:
             and self._decoder.idle
         ):
             lines = piece.count(b"\n")
-            if lines == 2:  # one event, the usual piece: _count_one, inline
-                data = piece[6:-2]
-                if data == b"[DONE]":
-                    self.done = True
-                else:
-                    self._tail += 1
-                    self._last = data
-                    self._t_before = self.t_last
-                    self.t_last = self._now()
+            if lines == 2:  # one event, the usual piece
+                self._count_one(piece[6:-2])
                 return "token"
             # Several (the replica's writes arrived together): when the n - 1 joins "\n\ndata: "
             # and the final blank line hold every line feed, each event is one "data: " line.
             if not lines & 1 and piece.count(b"\n\ndata: ") == (lines >> 1) - 1:
-                now = self._now()
                 for data in piece[6:-2].split(b"\n\ndata: "):
-                    if data == b"[DONE]":
-                        self.done = True
-                    else:
-                        self._tail += 1
-                        self._last = data
-                        self._t_before = self.t_last
-                        self.t_last = now
+                    self._count_one(data)
                 return "token"
         if self.broken:
             return "token"

@@ -178,6 +178,17 @@ class Gateway:
 
 
 @contextlib.contextmanager
+def running(proc: ReplicaProcess, timeout: float = 60) -> Iterator[ReplicaProcess]:
+    """``proc`` started and ready (``GET`` of its health path answers 200); stopped on exit."""
+    proc.start()
+    try:
+        proc.wait_ready(timeout)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@contextlib.contextmanager
 def run_gateway(
     tmp_path: Path, fleet: dict[str, Any], env: dict[str, str] | None = None, log_level: str = "INFO"
 ) -> Iterator[Gateway]:
@@ -204,12 +215,8 @@ def run_gateway(
         log_path=tmp_path / f"gateway-{port}.log",
         health_path="/healthz",
     )
-    proc.start()
-    try:
-        proc.wait_ready(60)
+    with running(proc):
         yield Gateway(proc, proc.url)
-    finally:
-        proc.stop()
 
 
 class ThreadedServer:

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from replicas.launcher import ReplicaProcess, sim_process
-from tests.api.harness import DEV_KEY, fleet_dict, run_gateway
+from tests.api.harness import DEV_KEY, fleet_dict, run_gateway, running
 
 JSON_LOGS = {"TIDAL_LOG_FORMAT": "json", "TIDAL_ACCESS_LOG": "true"}
 
@@ -30,15 +30,12 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaProcess]:
     logs = tmp_path_factory.mktemp("sim-logs")
-    proc = sim_process(
-        "fast-test", args=["--served-model-name", "tiny"], log_path=logs / "sim.log", env=JSON_LOGS
-    )
-    proc.start()
-    try:
-        proc.wait_ready(60)
+    with running(
+        sim_process(
+            "fast-test", args=["--served-model-name", "tiny"], log_path=logs / "sim.log", env=JSON_LOGS
+        )
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_a_request_is_followed_by_its_id_from_gateway_to_replica(sim: ReplicaProcess, tmp_path: Path) -> None:

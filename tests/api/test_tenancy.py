@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from replicas.launcher import ReplicaProcess, sim_process
-from tests.api.harness import ACME_KEY, Gateway, fleet_dict, run_gateway
+from tests.api.harness import ACME_KEY, Gateway, fleet_dict, run_gateway, running
 from tests.services import require_tcp
 from tidal.fleet import hash_api_key
 
@@ -30,18 +30,15 @@ LIGHT_KEY = "tidal-test-light-key-0123456789"
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaProcess]:
-    proc = sim_process(
-        "fast-test",
-        args=["--served-model-name", "tiny", "--time-scale", "0.1"],
-        log_path=tmp_path_factory.mktemp("sim") / "sim.log",
-        name="sim",
-    )
-    proc.start()
-    try:
-        proc.wait_ready(60)
+    with running(
+        sim_process(
+            "fast-test",
+            args=["--served-model-name", "tiny", "--time-scale", "0.1"],
+            log_path=tmp_path_factory.mktemp("sim") / "sim.log",
+            name="sim",
+        )
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _fleet(sim: ReplicaProcess, **kw: Any) -> dict[str, Any]:

@@ -143,6 +143,21 @@ class StreamingClients:
     def count(self, kind: str) -> int:
         return sum(1 for o in self.outcomes if o.kind == kind)
 
+    def row(self, tier: str, fault: str, recovery_s: float | None, note: str = "", retried: int = 0) -> Row:
+        """The matrix row of these clients' outcomes."""
+        return Row(
+            tier=tier,
+            fault=fault,
+            requests=len(self.outcomes),
+            failed=self.count("failed"),
+            retried=retried,
+            lost=self.count("lost"),
+            duplicated=self.count("duplicated"),
+            hung=self.count("hung"),
+            recovery_s=recovery_s,
+            note=note,
+        )
+
     def recovery_s(self, fault_at: float) -> float | None:
         """From the fault to the end of the last request that did not succeed (0 when none)."""
         bad = [o.end for o in self.outcomes if o.kind != "ok" and o.end >= fault_at]

@@ -37,7 +37,7 @@ from scheduler.autoscaler.local import LocalProcessActuator, LocalTemplate
 from scheduler.gateway import GatewayAdmin
 from scheduler.metrics import SchedulerMetrics
 from tests.api.harness import ADMIN_KEY, DEV_KEY, Gateway, fleet_dict, run_gateway
-from tests.chaos.matrix import Row, StreamingClients, record
+from tests.chaos.matrix import StreamingClients, record
 from tests.chaos.netproxy import FaultProxy
 from tidal.clock import SystemClock
 from tidal.fleet import AutoscalerSpec
@@ -180,24 +180,13 @@ async def test_autoscaler_actuator_failing_then_healed(tmp_path: Path, sims: lis
             await source.aclose()
             await registry.aclose()
     errors = _value(metrics, "tidal_autoscaler_actuator_errors_total", **labels)
-    row = record(
-        Row(
-            tier="scheduler",
-            fault="autoscaler actuator failing, then healed",
-            requests=len(clients.outcomes),
-            failed=clients.count("failed"),
-            retried=int(errors) + timed_out,
-            lost=clients.count("lost"),
-            duplicated=clients.count("duplicated"),
-            hung=clients.count("hung"),
-            recovery_s=recovery_s,
-            note=(
-                f"launch command missing {RAISING_S:g} s ({raised:.0f} actuator errors counted, the loop "
-                f"deciding every {SPEC.decision_interval_s:g} s), then the admin API partitioned from the "
-                f"actuator ({timed_out} registrations timed out after {ADMIN_TIMEOUT_S:g} s, their replicas "
-                f"stopped); retried = actuator calls that failed; recovery from the heal to {WANT} "
-                "replicas serving"
-            ),
-        )
+    note = (
+        f"launch command missing {RAISING_S:g} s ({raised:.0f} actuator errors counted, the loop "
+        f"deciding every {SPEC.decision_interval_s:g} s), then the admin API partitioned from the "
+        f"actuator ({timed_out} registrations timed out after {ADMIN_TIMEOUT_S:g} s, their replicas "
+        f"stopped); retried = actuator calls that failed; recovery from the heal to {WANT} "
+        "replicas serving"
     )
+    fault = "autoscaler actuator failing, then healed"
+    row = record(clients.row("scheduler", fault, recovery_s, note, retried=int(errors) + timed_out))
     assert row.failed == row.hung == row.lost == row.duplicated == 0, clients.summary()

@@ -96,20 +96,7 @@ async def _run(
     await asyncio.sleep(RUN_AFTER_S)
     await clients.stop()
     retried = _retries(scene.gateway) + int(retries_before or 0) - retries0
-    row = record(
-        Row(
-            tier="interactive",
-            fault=fault,
-            requests=len(clients.outcomes),
-            failed=clients.count("failed"),
-            retried=retried,
-            lost=clients.count("lost"),
-            duplicated=clients.count("duplicated"),
-            hung=clients.count("hung"),
-            recovery_s=clients.recovery_s(fault_at),
-            note=note,
-        )
-    )
+    row = record(clients.row("interactive", fault, clients.recovery_s(fault_at), note, retried=retried))
     return row, clients, injected_at
 
 

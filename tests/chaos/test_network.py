@@ -133,20 +133,7 @@ async def test_latency_and_packet_loss_on_one_replica(tmp_path: Path) -> None:
         "recovery from the link made clean to TTFT back within baseline p95 + "
         f"{DELAY_S * 1000:.0f} ms"
     )
-    row = record(
-        Row(
-            tier="interactive",
-            fault="latency + packet loss on one replica",
-            requests=len(outcomes),
-            failed=clients.count("failed"),
-            retried=0,
-            lost=clients.count("lost"),
-            duplicated=clients.count("duplicated"),
-            hung=clients.count("hung"),
-            recovery_s=recovery_s,
-            note=note,
-        )
-    )
+    row = record(clients.row("interactive", "latency + packet loss on one replica", recovery_s, note))
     # No request failed, hung, was cut or answered twice: a slow replica is slow, not broken.
     assert row.failed == row.hung == row.lost == row.duplicated == 0, clients.summary()
     # The fault was real: requests through the proxy got the added round trip (each one's request
@@ -305,17 +292,6 @@ async def _cut_and_restore(
         f"({after['blocks']} blocks = the replica's); recovery from restore to the index current"
     )
     row = record(
-        Row(
-            tier="interactive",
-            fault="a replica's KV-event stream cut, then restored",
-            requests=len(clients.outcomes),
-            failed=clients.count("failed"),
-            retried=0,
-            lost=clients.count("lost"),
-            duplicated=clients.count("duplicated"),
-            hung=clients.count("hung"),
-            recovery_s=recovery_s,
-            note=note,
-        )
+        clients.row("interactive", "a replica's KV-event stream cut, then restored", recovery_s, note)
     )
     return row, note
