@@ -194,10 +194,7 @@ class ReplicaClient:
             hdrs.update(headers)
         req_timeout = aiohttp.ClientTimeout(total=timeout, connect=self._timeout.connect) if timeout else None
         try:
-            # No timeout given: the session's (connect, and each read), never aiohttp's None (none at all).
-            cm = session.request(
-                method, self.base_url + path, data=body, headers=hdrs, timeout=req_timeout or self._timeout
-            )
+            cm = session.request(method, self.base_url + path, data=body, headers=hdrs, timeout=req_timeout)
             resp = await cm.__aenter__()
         except TimeoutError as exc:
             raise ReplicaTimeout(f"{method} {path} timed out", replica=self.name) from exc
