@@ -59,10 +59,6 @@ class ScaleStep:
     reason: str
 
 
-# How long one actuator call may take before it counts as failed (and the next step retries).
-ACTUATOR_TIMEOUT_S = 30.0
-
-
 class Autoscaler:
     """One pool's autoscaler (see the module docstring)."""
 
@@ -79,10 +75,8 @@ class Autoscaler:
         metrics: SchedulerMetrics | None = None,
         learn: bool = True,
         lent_to_batch: Callable[[str], bool] | None = None,
-        actuator_timeout_s: float = ACTUATOR_TIMEOUT_S,
     ) -> None:
         self.pool = pool
-        self.actuator_timeout_s = actuator_timeout_s
         self.spec = spec
         self.policy = policy
         self.capacity = capacity
@@ -169,9 +163,7 @@ class Autoscaler:
 
         if target != self._sent or seen.total != target:
             try:
-                # An actuator only places the request (its contract): one that hangs (an API
-                # server that accepts and never answers) is a failure, not a stopped loop.
-                await asyncio.wait_for(self.actuator.scale(self.pool, target), self.actuator_timeout_s)
+                await self.actuator.scale(self.pool, target)
                 self._sent = target
             except Exception as exc:  # the next step retries; the loop must survive the actuator
                 self.metrics.actuator_errors.labels(self.pool, self.actuator.name).inc()
