@@ -49,7 +49,7 @@ from router.registry import ReplicaRegistry, ReplicaState
 from router.scraper import MetricsScraper
 from router.types import RouteRequest
 from tidal.clock import Clock, SystemClock, WallClock
-from tidal.fleet import EMBEDDINGS_ENDPOINT, FleetConfig, KVEventsSpec, QuotaSpec
+from tidal.fleet import FleetConfig, KVEventsSpec, QuotaSpec
 from tidal.settings import Settings
 
 __all__ = ["SESSION_HEADER", "InteractiveService"]
@@ -239,7 +239,7 @@ class InteractiveService:
                     code="model_not_found",
                 )
             adapter = bound.name
-        if spec.embedding != (path == EMBEDDINGS_ENDPOINT):
+        if not spec.serves(path):
             kind = "an embedding model" if spec.embedding else "not an embedding model"
             raise APIError(
                 400,

@@ -115,6 +115,11 @@ class ModelSpec(_Strict):
     embedding: bool = False
     tokenizer: str | None = Field(default=None, min_length=1, max_length=4096)
 
+    def serves(self, endpoint: str) -> bool:
+        """Whether it can answer ``endpoint``: an embedding model ``/v1/embeddings`` alone, a
+        generative one everything else."""
+        return self.embedding == (endpoint == EMBEDDINGS_ENDPOINT)
+
 
 class AdapterSpec(_Strict):
     """A LoRA adapter that replicas may load at run time (``/v1/load_lora_adapter``).
@@ -732,16 +737,8 @@ class FleetConfig(_Strict):
         """The names ``tenant`` may ask for: every base model and the adapters it may use; with
         ``endpoint``, only those that can answer it (an embedding model serves ``/v1/embeddings``
         alone, a generative one everything else; an adapter is of its base model's kind)."""
-        embedding = endpoint == EMBEDDINGS_ENDPOINT
-        kinds = {m.name: m.embedding for m in self.models}
-        names = {
-            name for name, is_embedding in kinds.items() if endpoint is None or is_embedding == embedding
-        }
-        return names | {
-            a.name
-            for a in self.adapters
-            if a.serves(tenant) and (endpoint is None or kinds.get(a.base_model, False) == embedding)
-        }
+        models = {m.name: m for m in self.models if endpoint is None or m.serves(endpoint)}
+        return set(models) | {a.name for a in self.adapters if a.serves(tenant) and a.base_model in models}
 
     def all_replicas(self) -> list[tuple[PoolSpec, ReplicaSpec]]:
         return [(p, r) for p in self.pools.values() for r in p.replicas]
