@@ -137,7 +137,11 @@ class ReplicaClient:
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._lean: ConnectionPool | None = None
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
+        # sock_connect, not connect: aiohttp's ``connect`` also bounds the wait for a free pooled
+        # connection, which under load is queueing, not a replica failing to answer.
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout, sock_read=read_timeout
+        )
         self._session: aiohttp.ClientSession | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -192,7 +196,13 @@ class ReplicaClient:
         hdrs = dict(_JSON) if body is not None else {}
         if headers:
             hdrs.update(headers)
-        req_timeout = aiohttp.ClientTimeout(total=timeout, connect=self._timeout.connect) if timeout else None
+        # No timeout named: the client's own (connect, and each read). aiohttp reads ``None`` as
+        # "no timeout at all", which let a replica that accepted and never answered hold the caller.
+        req_timeout = (
+            aiohttp.ClientTimeout(total=timeout, sock_connect=self._connect_timeout)
+            if timeout
+            else self._timeout
+        )
         try:
             cm = session.request(method, self.base_url + path, data=body, headers=hdrs, timeout=req_timeout)
             resp = await cm.__aenter__()
