@@ -59,6 +59,10 @@ class ScaleStep:
     reason: str
 
 
+# How long the loop waits for one actuator call before counting it as failed and going on.
+ACTUATOR_TIMEOUT_S = 30.0
+
+
 class Autoscaler:
     """One pool's autoscaler (see the module docstring)."""
 
@@ -75,8 +79,10 @@ class Autoscaler:
         metrics: SchedulerMetrics | None = None,
         learn: bool = True,
         lent_to_batch: Callable[[str], bool] | None = None,
+        actuator_timeout_s: float = ACTUATOR_TIMEOUT_S,
     ) -> None:
         self.pool = pool
+        self.actuator_timeout_s = actuator_timeout_s
         self.spec = spec
         self.policy = policy
         self.capacity = capacity
@@ -91,6 +97,7 @@ class Autoscaler:
         # (monotonic time, answer, how long it counts for scale-down)
         self._window: deque[tuple[float, int, float]] = deque()
         self._sent: int | None = None
+        self._scaling: asyncio.Task[None] | None = None  # an actuator call still running
 
     def _forecast(self, start: float, end: float) -> float | None:
         return self.forecaster.peak(start, end)
@@ -162,12 +169,7 @@ class Autoscaler:
         self.target = target
 
         if target != self._sent or seen.total != target:
-            try:
-                await self.actuator.scale(self.pool, target)
-                self._sent = target
-            except Exception as exc:  # the next step retries; the loop must survive the actuator
-                self.metrics.actuator_errors.labels(self.pool, self.actuator.name).inc()
-                log.warning("autoscaler %s: actuator %s failed: %s", self.pool, self.actuator.name, exc)
+            await self._actuate(target)
 
         rps = load.requests_per_s if load is not None else 0.0
         need_now = math.ceil(rps * (1 + spec.warm_buffer) / cap - 1e-9)
@@ -194,6 +196,37 @@ class Autoscaler:
             predicted_rps=predicted,
             reason=decision.reason,
         )
+
+    async def _actuate(self, target: int) -> None:
+        """Ask the actuator for ``target`` replicas. A failure is counted and the next step
+        retries; a call that hangs (an API server that accepts and never answers) is counted as
+        failed after ``actuator_timeout_s`` and left to finish on its own -- cancelling it could
+        leave a half-stopped replica -- and no new call is placed while it runs."""
+        if self._scaling is not None and not self._scaling.done():
+            self._actuator_failed("the previous call is still running")
+            return
+        task = self._scaling = asyncio.ensure_future(self.actuator.scale(self.pool, target))
+        await asyncio.wait({task}, timeout=self.actuator_timeout_s)
+        if not task.done():
+            self._actuator_failed(f"no answer in {self.actuator_timeout_s:g} s")
+            # Whatever it ends with later is only logged; the next call decides afresh.
+            task.add_done_callback(self._late_answer)
+            return
+        self._scaling = None
+        if task.cancelled():
+            self._actuator_failed("cancelled")
+        elif (exc := task.exception()) is not None:
+            self._actuator_failed(str(exc) or repr(exc))
+        else:
+            self._sent = target
+
+    def _late_answer(self, task: asyncio.Task[None]) -> None:
+        exc = None if task.cancelled() else task.exception()
+        log.info("autoscaler %s: a late actuator call ended (%s)", self.pool, "ok" if exc is None else exc)
+
+    def _actuator_failed(self, why: str) -> None:
+        self.metrics.actuator_errors.labels(self.pool, self.actuator.name).inc()
+        log.warning("autoscaler %s: actuator %s failed: %s", self.pool, self.actuator.name, why)
 
 
 class AutoscalerLoop:

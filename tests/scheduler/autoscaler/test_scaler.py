@@ -6,6 +6,8 @@ start (the actuators themselves are tested against real processes and a real HTT
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from scheduler.autoscaler import (
@@ -199,6 +201,36 @@ async def test_an_actuator_failure_is_counted_and_retried_on_the_next_step() -> 
     pool.fail = False
     await s.step(15.0, PoolLoad(requests_per_s=6.0))
     assert pool.calls == [6, 6] and (await pool.observe("interactive", None)).total == 6
+
+
+async def test_an_actuator_that_hangs_counts_as_failed_and_the_loop_goes_on() -> None:
+    clock = ManualClock()
+    pool = ColdStartPool(clock, ready=2)
+    answer = asyncio.Event()
+    scale = pool.scale
+    calls = 0
+
+    async def hanging(pool_name: str, replicas: int) -> None:
+        nonlocal calls
+        calls += 1
+        await answer.wait()  # accepts the request and answers only when told
+        await scale(pool_name, replicas)
+
+    pool.scale = hanging  # type: ignore[method-assign]
+    s = scaler(clock, pool, actuator_timeout_s=0.05)
+    labels = {"pool": "interactive", "actuator": "memory"}
+    step = await asyncio.wait_for(s.step(0.0, PoolLoad(requests_per_s=6.0)), 10)
+    assert step.target == 6
+    assert s.metrics.registry.get_sample_value("tidal_autoscaler_actuator_errors_total", labels) == 1
+    # The next step goes on without piling a second call onto the one still running.
+    await asyncio.wait_for(s.step(15.0, PoolLoad(requests_per_s=6.0)), 10)
+    assert calls == 1
+    assert s.metrics.registry.get_sample_value("tidal_autoscaler_actuator_errors_total", labels) == 2
+    # Once it answers, the step after places the request again (and it lands).
+    answer.set()
+    await asyncio.sleep(0)
+    await asyncio.wait_for(s.step(30.0, PoolLoad(requests_per_s=6.0)), 10)
+    assert calls == 2 and (await pool.observe("interactive", None)).total == 6
 
 
 async def test_a_trough_offers_its_idle_replicas_to_batch() -> None:
