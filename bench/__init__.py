@@ -22,4 +22,5 @@ BENCHMARKS: dict[str, str] = {
     "router-scale": "bench.router_scale:run",
     "chaos": "bench.chaos:run",
     "soak": "bench.soak:run",
+    "mixed-soak": "bench.mixed_soak:run",
 }

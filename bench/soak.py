@@ -144,8 +144,13 @@ def _processes(tmp: Path, replicas: int) -> Iterator[_Setup]:
 
 
 def _rss(proc: ReplicaProcess) -> int:
+    return rss_of(proc.pid) if proc.pid else 0
+
+
+def rss_of(pid: int) -> int:
+    """A process's resident memory in bytes (0 once it is gone)."""
     with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
@@ -155,18 +160,29 @@ def _rss(proc: ReplicaProcess) -> int:
 
 
 @dataclass
-class _Result:
+class ChatResult:
     t0: float
     status: int  # 0: no response (connection error); -1: timed out
     retry_after: bool = False
     ttft: float | None = None
 
 
-async def _request(session: aiohttp.ClientSession, url: str, i: int) -> _Result:
+async def chat_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    i: int,
+    *,
+    key: str = KEY,
+    model: str = MODEL,
+    tokens: int = TOKENS,
+    prompt: str = "soak",
+) -> ChatResult:
+    """One streamed chat completion: its status, whether a refusal said ``Retry-After``, and the
+    time to its first content token."""
     body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": f"soak {i} {secrets.token_hex(4)}"}],
-        "max_tokens": TOKENS,
+        "model": model,
+        "messages": [{"role": "user", "content": f"{prompt} {i} {secrets.token_hex(4)}"}],
+        "max_tokens": tokens,
         "stream": True,
         "ignore_eos": True,
     }
@@ -176,11 +192,11 @@ async def _request(session: aiohttp.ClientSession, url: str, i: int) -> _Result:
             async with session.post(
                 url + "/v1/chat/completions",
                 data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
             ) as resp:
                 if resp.status != 200:
                     await resp.read()
-                    return _Result(t0, resp.status, "Retry-After" in resp.headers)
+                    return ChatResult(t0, resp.status, "Retry-After" in resp.headers)
                 first: float | None = None
                 async for line in resp.content:
                     if (
@@ -189,14 +205,16 @@ async def _request(session: aiohttp.ClientSession, url: str, i: int) -> _Result:
                         and b'"content":"' in line.replace(b'"content":""', b"")
                     ):
                         first = time.monotonic() - t0
-                return _Result(t0, 200, ttft=first)
+                return ChatResult(t0, 200, ttft=first)
     except TimeoutError:
-        return _Result(t0, -1)
+        return ChatResult(t0, -1)
     except aiohttp.ClientError:
-        return _Result(t0, 0)
+        return ChatResult(t0, 0)
 
 
-async def _open_loop(session: aiohttp.ClientSession, url: str, rate: float, seconds: float) -> list[_Result]:
+async def _open_loop(
+    session: aiohttp.ClientSession, url: str, rate: float, seconds: float
+) -> list[ChatResult]:
     """``rate`` requests per second, evenly spaced, for ``seconds``; waits for every answer."""
     n = max(1, int(rate * seconds))
     start = time.monotonic()
@@ -205,20 +223,20 @@ async def _open_loop(session: aiohttp.ClientSession, url: str, rate: float, seco
         delay = start + i / rate - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(_request(session, url, i)))
+        tasks.append(asyncio.create_task(chat_request(session, url, i)))
     return list(await asyncio.gather(*tasks))
 
 
 async def _closed_loop(
     session: aiohttp.ClientSession, url: str, workers: int, seconds: float
-) -> list[_Result]:
+) -> list[ChatResult]:
     until = time.monotonic() + seconds
-    out: list[_Result] = []
+    out: list[ChatResult] = []
 
     async def loop(w: int) -> None:
         i = w
         while time.monotonic() < until:
-            out.append(await _request(session, url, i))
+            out.append(await chat_request(session, url, i))
             i += workers
 
     await asyncio.gather(*(loop(w) for w in range(workers)))
@@ -307,7 +325,7 @@ def _p(values: list[float], q: float) -> float | None:
 
 
 def _phase(
-    name: str, offered_rps: float | None, results: list[_Result], rss: list[tuple[float, int]]
+    name: str, offered_rps: float | None, results: list[ChatResult], rss: list[tuple[float, int]]
 ) -> dict[str, Any]:
     ok = [r for r in results if r.status == 200]
     refused = [r for r in results if r.status == 429]
