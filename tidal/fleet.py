@@ -139,12 +139,19 @@ class AdapterSpec(_Strict):
 
 
 class LaunchSpec(_Strict):
-    """How ``tidal up`` starts a replica locally: a simulated one or a real vLLM process."""
+    """How ``tidal up`` starts a replica locally: a simulated one or a real vLLM process.
+
+    For a simulated one, ``answer_key`` (JSONL of ``{"prompt", "answer"}``) makes it answer those
+    prompts so, right with probability ``accuracy`` (a worse build for a canary rollout). A
+    relative path is read from the fleet file's folder.
+    """
 
     kind: Literal["sim", "vllm"]
     preset: str | None = None
     model_dir: str | None = None
     args: list[str] = Field(default_factory=list)
+    answer_key: str | None = Field(default=None, min_length=1, max_length=4096)
+    accuracy: float | None = Field(default=None, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _check_kind(self) -> LaunchSpec:
@@ -152,7 +159,17 @@ class LaunchSpec(_Strict):
             raise ValueError("a sim launch needs 'preset'")
         if self.kind == "vllm" and not self.model_dir:
             raise ValueError("a vllm launch needs 'model_dir'")
+        if self.kind != "sim" and (self.answer_key is not None or self.accuracy is not None):
+            raise ValueError("answer_key and accuracy are for simulated replicas")
+        if self.accuracy is not None and self.answer_key is None:
+            raise ValueError("accuracy needs an answer_key")
         return self
+
+    def sim_args(self) -> list[str]:
+        """The simulator's options this block sets besides ``preset`` (then ``args``)."""
+        out = ["--answer-key", self.answer_key] if self.answer_key else []
+        out += ["--accuracy", f"{self.accuracy:g}"] if self.accuracy is not None else []
+        return out + self.args
 
 
 _TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):([0-9]{1,5})$")
@@ -495,6 +512,8 @@ class ExternalProviderSpec(_Strict):
     model: str | None = None
     timeout_s: float = Field(default=60.0, gt=0)
     region: Name | None = None
+    # ``tidal up`` starts a stand-in at ``url`` (a simulated replica, for trying overflow locally).
+    launch: LaunchSpec | None = None
 
 
 class QuotaSpec(_Strict):
@@ -841,4 +860,23 @@ def load_fleet(path: str | Path) -> FleetConfig:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise FleetConfigError(str(p), [f"not valid YAML: {exc}"]) from None
-    return parse_fleet(data, str(p))
+    return _relative_to(parse_fleet(data, str(p)), p.parent)
+
+
+def _relative_to(fleet: FleetConfig, folder: Path) -> FleetConfig:
+    """Read the files a fleet names by relative path (sims' answer keys, canary eval sets) from
+    ``folder``, the fleet file's, wherever the process reading it runs."""
+
+    def resolve(path: str) -> str:
+        return path if Path(path).is_absolute() else str((folder / path).resolve())
+
+    launches = [r.launch for _, r in fleet.all_replicas()]
+    if fleet.external_provider is not None:
+        launches.append(fleet.external_provider.launch)
+    for launch in launches:
+        if launch is not None and launch.answer_key is not None:
+            launch.answer_key = resolve(launch.answer_key)
+    for pool in fleet.pools.values():
+        if pool.canary is not None and pool.canary.eval is not None:
+            pool.canary.eval.dataset = resolve(pool.canary.eval.dataset)
+    return fleet

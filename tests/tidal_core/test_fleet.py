@@ -31,8 +31,41 @@ def test_default_fleet_loads() -> None:
     fleet = load_fleet(DEFAULT_FLEET_PATH)
     assert fleet.pools["interactive"].shared
     assert fleet.pools["interactive"].name == "interactive"
-    assert [r.name for _, r in fleet.all_replicas()] == ["sim-i0", "sim-i1", "sim-e0", "sim-b0"]
+    assert [r.name for _, r in fleet.all_replicas()] == [
+        "sim-i0", "sim-i1", "sim-c0", "sim-l0", "sim-e0", "sim-b0", "sim-s0"
+    ]  # fmt: skip
     assert fleet.features["chat"].class_ == "interactive"
+
+
+def test_the_default_fleet_shows_every_kind_of_pool_and_feature() -> None:
+    fleet = load_fleet(DEFAULT_FLEET_PATH)
+    assert {p.kind for p in fleet.pools.values()} == {"interactive", "long_context", "batch", "spot"}
+    assert fleet.pools["interactive"].canary_group == "canary"
+    [canary] = [r for r in fleet.pools["interactive"].replicas if r.group == "canary"]
+    assert canary.weight == 0 and canary.launch is not None and canary.launch.accuracy == 0.3
+    assert fleet.adapters[0].name in fleet.served_models("anyone", "/v1/chat/completions")
+    assert fleet.external_provider is not None and fleet.external_provider.launch is not None
+    assert fleet.features["regulated-chat"].regulated
+
+
+def test_files_a_fleet_names_by_relative_path_are_read_from_its_folder(tmp_path: Path) -> None:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "eval.jsonl").write_text('{"prompt": "p", "reference": "r", "answer": "r"}\n')
+    replica = {
+        "name": "r0",
+        "url": "http://127.0.0.1:9001",
+        "launch": {"kind": "sim", "preset": "fast-test", "answer_key": "eval.jsonl", "accuracy": 0.5},
+    }
+    data = minimal()
+    data["pools"]["interactive"]["replicas"] = [replica, {**replica, "name": "r1", "group": "canary"}]
+    data["pools"]["interactive"]["canary"] = {"eval": {"dataset": "eval.jsonl"}}
+    (tmp_path / "conf" / "fleet.yaml").write_text(yaml.safe_dump(data))
+    fleet = load_fleet(tmp_path / "conf" / "fleet.yaml")
+    want = str(tmp_path / "conf" / "eval.jsonl")
+    launch = fleet.pools["interactive"].replicas[0].launch
+    assert launch is not None and launch.sim_args() == ["--answer-key", want, "--accuracy", "0.5"]
+    eval_spec = fleet.pools["interactive"].canary.eval if fleet.pools["interactive"].canary else None
+    assert eval_spec is not None and eval_spec.dataset == want
 
 
 def test_the_default_fleet_autoscales_its_interactive_pool_on_a_planned_capacity() -> None:

@@ -3,15 +3,18 @@ actuator, and `tidal up` says so with the capacity it planned on the simulated r
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
 from replicas.launcher import free_port
@@ -48,11 +51,12 @@ def test_the_autoscaler_line_gives_each_pools_capacity_once_the_scheduler_export
 
 @pytest.mark.slow
 def test_tidal_up_runs_the_autoscaler_and_prints_its_planned_capacity(tmp_path: Path) -> None:
-    # The embedded fleet, on free ports (the replicas' ports are fixed in it)
+    # The embedded fleet, on free ports (the replicas' ports are fixed in it), beside its eval set
     text = DEFAULT_FLEET_PATH.read_text()
-    for old in ("8101", "8102", "8103", "8104"):
+    for old in sorted(set(re.findall(r"127\.0\.0\.1:(8[1-3]\d\d)\b", text))):
         text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{free_port()}")
     (tmp_path / "fleet.yaml").write_text(text)
+    shutil.copy(DEFAULT_FLEET_PATH.with_name("eval-set.jsonl"), tmp_path)
     env = {**os.environ, "TIDAL_QUEUE_NAMESPACE": f"t{secrets.token_hex(5)}"}
     for var in ("TIDAL_DATABASE_URL", "TIDAL_FILES_DIR", "TIDAL_FLEET_CONFIG", "TIDAL_DATA_DIR"):
         env.pop(var, None)
@@ -77,6 +81,17 @@ def test_tidal_up_runs_the_autoscaler_and_prints_its_planned_capacity(tmp_path: 
             time.sleep(0.5)
         raise AssertionError(f"no autoscaler line from tidal up:\n{out.read_text()[-3000:]}")
 
+    def wait_for_outcome(path: Path, timeout: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists():
+                outcome: dict[str, str] = json.loads(path.read_text())["pools"]["interactive"]
+                return outcome
+            time.sleep(0.5)
+        raise AssertionError(
+            f"no canary outcome:\n{(tmp_path / 'data' / 'logs' / 'scheduler.log').read_text()[-3000:]}"
+        )
+
     def stop(proc: subprocess.Popen[bytes]) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
@@ -99,6 +114,24 @@ def test_tidal_up_runs_the_autoscaler_and_prints_its_planned_capacity(tmp_path: 
         assert 10.0 < rps < 200.0 and "llama-3.1-8b-h100" in line
         sched = (tmp_path / "data" / "logs" / "scheduler.log").read_text()
         assert "interactive (local actuator): 2-4 replicas" in sched
+        # Every part of the platform is up, and the summary says where
+        for part in ("sim-c0", "sim-l0", "sim-s0", "external", "gateway", "worker", "scheduler"):
+            assert re.search(rf"^  {part} ", log, re.M), part
+        # The canary build answers the eval set worse than the stable one: rolled back on its score
+        outcome = wait_for_outcome(tmp_path / "data" / "scheduler" / "canary-outcomes.json", 120)
+        assert outcome["outcome"] == "rolled_back" and outcome["reason"].startswith("eval_score"), outcome
+        # A LoRA adapter is loaded on first use; a regulated feature is served like any other
+        api = re.search(r"OpenAI base URL: (\S+) +API key: (\S+)", log)
+        assert api is not None
+        client = openai.OpenAI(base_url=api.group(1), api_key=api.group(2))
+        for model, feature in (("support-bot", "chat"), ("llama-3.1-8b-instruct", "regulated-chat")):
+            reply = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=4,
+                extra_headers={"X-Tidal-Feature": feature},
+            )
+            assert reply.model == model and reply.choices[0].message.content
     finally:
         stop(proc)
     # And the next start has it at once, from the cache under the data dir

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
-    from tidal.fleet import FleetConfig, KVEventsSpec
+    from tidal.fleet import FleetConfig, KVEventsSpec, LaunchSpec, PoolSpec, ReplicaSpec
 
 __all__ = ["Part", "autoscaler_lines", "batch_broker_env", "plan_parts", "up"]
 
@@ -153,6 +153,13 @@ def kv_events_args(kind: str, spec: KVEventsSpec | None) -> list[str]:
     return ["--no-kv-events", "--kv-events-config", json.dumps(config)]
 
 
+def _describe(pool: PoolSpec, replica: ReplicaSpec) -> str:
+    assert replica.launch is not None
+    what = f"simulated replica ({replica.launch.preset})" if replica.launch.kind == "sim" else "vLLM replica"
+    extra = f", group {replica.group} at weight {replica.weight:g}" if replica.group != "stable" else ""
+    return f"{what}, pool {pool.name} ({pool.kind}){extra}"
+
+
 def plan_parts(
     fleet_path: Path,
     *,
@@ -169,41 +176,25 @@ def plan_parts(
 
     fleet = load_fleet(fleet_path)
     parts: list[Part] = []
-    for pool, replica in fleet.all_replicas():
-        launch = replica.launch
-        if launch is None:
-            continue
-        rport = replica.url.port or 80
+    launched: list[tuple[str, LaunchSpec, int, str, KVEventsSpec | None, str]] = [
+        (r.name, r.launch, r.url.port or 80, pool.model, r.kv_events, _describe(pool, r))
+        for pool, r in fleet.all_replicas()
+        if r.launch is not None
+    ]
+    provider = fleet.external_provider
+    if provider is not None and provider.launch is not None:
+        model = provider.model or next((m.name for m in fleet.models if not m.embedding), "")
+        what = "stand-in for the external provider (overflow)"
+        launched.append(("external", provider.launch, provider.url.port or 80, model, None, what))
+    for name, launch, rport, model, kv_events, describe in launched:
         if launch.kind == "sim":
-            args = ["--preset", launch.preset or "", "--port", str(rport), "--served-model-name", pool.model]
-            args += kv_events_args("sim", replica.kv_events)
-            parts.append(
-                Part(
-                    replica.name,
-                    "sim",
-                    args + launch.args,
-                    rport,
-                    describe=f"simulated replica ({launch.preset}), pool {pool.name}",
-                )
-            )
+            args = ["--preset", launch.preset or "", "--port", str(rport), "--served-model-name", model]
+            args += kv_events_args("sim", kv_events)
+            parts.append(Part(name, "sim", args + launch.sim_args(), rport, describe=describe))
         else:
-            args = [
-                "--model",
-                launch.model_dir or "",
-                "--port",
-                str(rport),
-                "--served-model-name",
-                pool.model,
-            ]
-            parts.append(
-                Part(
-                    replica.name,
-                    "replica",
-                    ["vllm", *args, *kv_events_args("vllm", replica.kv_events), *launch.args],
-                    rport,
-                    describe=f"vLLM replica, pool {pool.name}",
-                )
-            )
+            args = ["--model", launch.model_dir or "", "--port", str(rport), "--served-model-name", model]
+            argv = ["vllm", *args, *kv_events_args("vllm", kv_events), *launch.args]
+            parts.append(Part(name, "replica", argv, rport, describe=describe))
     common_env = {"TIDAL_DATA_DIR": str(data_dir), "TIDAL_DEV_API_KEY": api_key}
     admin_env = {**common_env, "TIDAL_ADMIN_KEY": admin_key or f"tidal-admin-{secrets.token_urlsafe(24)}"}
     parts.append(
@@ -442,6 +433,10 @@ def _print_summary(
     if flower is not None and flower_auth:
         user, _, password = flower_auth.partition(":")
         click.echo(f"Flower: {flower.url}   login: {user} / {password} (TIDAL_FLOWER_BASIC_AUTH)")
+    scheduler = next((p for p, _ in running if p.command == "scheduler"), None)
+    if any(p.command == "gateway" for p, _ in running):
+        where = f"http://127.0.0.1:{port}/metrics" + (f" and {scheduler.url}/metrics" if scheduler else "")
+        click.echo(f"Prometheus metrics: {where}; Grafana dashboard and alert rules in deploy/")
     click.echo("Ready. Ctrl-C stops everything.")
     sys.stdout.flush()
     time.sleep(0)
