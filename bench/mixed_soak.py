@@ -196,7 +196,7 @@ def _platform(tmp: Path, canary_step_s: float, log: Any) -> Iterator[_Platform]:
     }
     argv = [sys.executable, "-m", "tidal", "up", "--config", str(fleet_path), "--port", str(port)]
     argv += ["--api-key", key, "--data-dir", str(data_dir), "--scheduler-port", str(scheduler_port)]
-    argv += ["--flower-port", str(flower_port)]
+    argv += ["--flower-port", str(flower_port), "--worker-metrics-port", str(free_port())]
     out = (tmp / "up.log").open("wb")
     proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -31,6 +31,7 @@ def run_worker(
     concurrency: int,
     hostname: str | None = None,
     metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
     loglevel: str = "INFO",
 ) -> None:
     """Consume the lane's queues until stopped (SIGTERM: save progress, requeue, exit)."""
@@ -47,7 +48,7 @@ def run_worker(
     )
     app = make_worker_app(runtime)
     if metrics_port:
-        start_http_server(metrics_port, addr="127.0.0.1", registry=runtime.metrics.registry)
+        start_http_server(metrics_port, addr=metrics_host, registry=runtime.metrics.registry)
     runtime.start()
     queues = runtime.queues()
     log.info("worker %s consuming %s", runtime.hostname, ", ".join(queues) or "nothing (lane paused)")

@@ -68,6 +68,7 @@ def test_tidal_up_runs_the_autoscaler_and_prints_its_planned_capacity(tmp_path: 
                 sys.executable, "-m", "tidal", "up", "--config", str(tmp_path / "fleet.yaml"),
                 "--port", str(free_port()), "--data-dir", str(tmp_path / "data"),
                 "--flower-port", str(free_port()), "--scheduler-port", str(free_port()),
+                "--worker-metrics-port", str(free_port()),
             ],
             cwd=ROOT, env=env, stdout=out.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip

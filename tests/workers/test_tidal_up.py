@@ -56,6 +56,7 @@ def test_tidal_up_completes_a_batch_submitted_with_the_openai_sdk(
             "--data-dir", str(tmp_path / "data"),
             "--flower-port", str(free_port()),
             "--scheduler-port", str(sched_port),
+            "--worker-metrics-port", str(free_port()),
             "--ready-timeout", "120",
         ],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

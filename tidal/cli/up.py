@@ -168,10 +168,12 @@ def plan_parts(
     data_dir: Path,
     admin_key: str | None = None,
     scheduler_port: int = 9100,
+    worker_metrics_port: int = 9101,
 ) -> list[Part]:
     """The processes ``tidal up`` runs for a fleet, in start order. The gateway and the scheduler
     share ``admin_key`` (``TIDAL_ADMIN_KEY``; generated when not given), which the scheduler uses
-    on the gateway's ``/admin`` API; the scheduler serves its metrics on ``scheduler_port``."""
+    on the gateway's ``/admin`` API; the scheduler serves its metrics on ``scheduler_port``, the
+    worker on ``worker_metrics_port``."""
     from tidal.fleet import load_fleet
 
     fleet = load_fleet(fleet_path)
@@ -212,9 +214,11 @@ def plan_parts(
         Part(
             "worker",
             "worker",
-            ["--config", str(fleet_path), "--lane", "all"],
+            ["--config", str(fleet_path), "--lane", "all", "--metrics-port", str(worker_metrics_port)],
+            worker_metrics_port,
+            health_path="/metrics",
             env=common_env,
-            describe="batch worker (lanes reserved, spot, shared)",
+            describe="batch worker (lanes reserved, spot, shared); /metrics here",
         )
     )
     parts.append(
@@ -290,6 +294,13 @@ def plan_parts(
     help="Port of the scheduler's Prometheus /metrics.",
 )
 @click.option(
+    "--worker-metrics-port",
+    default=9101,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Port of the batch worker's Prometheus /metrics.",
+)
+@click.option(
     "--ready-timeout",
     default=240.0,
     show_default=True,
@@ -303,6 +314,7 @@ def up(
     data_dir: Path,
     flower_port: int,
     scheduler_port: int,
+    worker_metrics_port: int,
     ready_timeout: float,
 ) -> None:
     """Run the whole platform locally on embedded defaults: simulated replicas, gateway, batch
@@ -327,6 +339,7 @@ def up(
         data_dir=data_dir.resolve(),
         admin_key=admin_key,
         scheduler_port=scheduler_port,
+        worker_metrics_port=worker_metrics_port,
     )
     broker_env, broker_note = batch_broker_env(data_dir.resolve())
     for part in parts:
@@ -433,10 +446,11 @@ def _print_summary(
     if flower is not None and flower_auth:
         user, _, password = flower_auth.partition(":")
         click.echo(f"Flower: {flower.url}   login: {user} / {password} (TIDAL_FLOWER_BASIC_AUTH)")
-    scheduler = next((p for p, _ in running if p.command == "scheduler"), None)
-    if any(p.command == "gateway" for p, _ in running):
-        where = f"http://127.0.0.1:{port}/metrics" + (f" and {scheduler.url}/metrics" if scheduler else "")
-        click.echo(f"Prometheus metrics: {where}; Grafana dashboard and alert rules in deploy/")
+    scraped = [
+        f"{p.url}/metrics" for p, _ in running if p.command in ("gateway", "scheduler", "worker") and p.url
+    ]
+    if scraped:
+        click.echo(f"Prometheus metrics: {', '.join(scraped)}; Grafana dashboard and alert rules in deploy/")
     click.echo("Ready. Ctrl-C stops everything.")
     sys.stdout.flush()
     time.sleep(0)

@@ -32,8 +32,19 @@ __all__ = ["worker"]
 @click.option(
     "--metrics-port", default=None, type=click.IntRange(1, 65535), help="Serve Prometheus /metrics here."
 )
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address /metrics listens on (0.0.0.0 in a container, for Prometheus to scrape).",
+)
 def worker(
-    lane: str, config: Path | None, concurrency: int, hostname: str | None, metrics_port: int | None
+    lane: str,
+    config: Path | None,
+    concurrency: int,
+    hostname: str | None,
+    metrics_port: int | None,
+    metrics_host: str,
 ) -> None:
     """Consume a lane's chunk queues and send each chunk's lines to the lane's replicas with low
     vLLM priority. SIGTERM (a spot notice) stops sending, keeps finished results and requeues
@@ -56,6 +67,7 @@ def worker(
             concurrency=concurrency,
             hostname=hostname,
             metrics_port=metrics_port,
+            metrics_host=metrics_host,
             loglevel=logging.getLevelName(logging.getLogger().level),
         )
     except ValueError as exc:
