@@ -152,6 +152,8 @@ class InteractiveService:
         prom.register(self.kv_events)
         self._kv_pools: dict[str, int] = {}
         self._tokenizers = {m.name: load_prompt_tokenizer(m.tokenizer) for m in fleet.models if m.tokenizer}
+        for state in self.registry:
+            self.metrics.replica_added(state.name)
         for _, replica in fleet.all_replicas():
             if replica.kv_events is not None:
                 k = replica.kv_events
@@ -410,6 +412,7 @@ class InteractiveService:
         )
         state.client = self._client_for(state)
         self.registry.add(state)
+        self.metrics.replica_added(name)
         if kv_events is not None:
             self._subscribe(name, kv_events)
         self.proxy.slot_freed(pool)
@@ -498,6 +501,7 @@ class InteractiveService:
     async def _deregister(self, state: ReplicaState) -> None:
         if self.registry.get(state.name) is state:
             self.registry.remove(state.name)
+            self.metrics.replica_removed(state.name)
         if state.kv_events is not None and state.name in self.kv_events:
             await self.kv_events.remove(state.name)
             left = self._kv_pools.get(state.pool, 0) - 1

@@ -24,6 +24,7 @@ Prometheus (``GET /metrics``):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -152,6 +153,9 @@ class GatewayMetrics(RouterMetrics):
         self.upstream_errors = Counter(
             "tidal_gateway_upstream_errors", "Upstream failures by replica", ["replica"], registry=r
         )
+        # Known label values start at 0, so rates and alerts read 0 rather than "no data".
+        for reason in ("ReplicaUnavailable", "ReplicaTimeout", "ReplicaServerError", "ReplicaStreamError"):
+            self.retries.labels(reason)
         self.overflow_requests = Counter(
             "tidal_gateway_overflow_requests",
             "Requests sent to the external provider",
@@ -162,6 +166,16 @@ class GatewayMetrics(RouterMetrics):
 
     def attach_live(self, registry: ReplicaRegistry, admission: Admission) -> None:
         self.prom.register(_LiveState(registry, admission))
+
+    def replica_added(self, name: str) -> None:
+        """A replica joined routing: its error counter exists from now on, at 0."""
+        self.upstream_errors.labels(name)
+
+    def replica_removed(self, name: str) -> None:
+        """A replica left routing: its series go (a run-time registration does not leave one
+        behind for ever)."""
+        with contextlib.suppress(KeyError):
+            self.upstream_errors.remove(name)
 
     def pool(self, name: str) -> PoolWindows:
         w = self.pools.get(name)

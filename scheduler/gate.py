@@ -270,6 +270,8 @@ class GateController:
         self._source_failing = False
         for g in gates:
             self.metrics.gate_paused.labels(g.pool).set(1.0 if g.state is GateState.PAUSED else 0.0)
+            for action in ("pause", "resume"):  # at 0, so rates and alerts read 0, not "no data"
+                self.metrics.gate_actuation_failures.labels(g.pool, action)
 
     async def step(self) -> list[Transition]:
         """One iteration: read the load, feed every gate, reconcile the lane with the gates."""

@@ -336,6 +336,8 @@ class SchedulerService:
                 actuator=PoolActuators(self.actuators) if self.actuators else None,
                 metrics=self.metrics,
             )
+            for pool in fleet.pools:
+                self.metrics.replacements.labels(pool)  # at 0, not "no data"
 
         self.canaries: dict[str, CanaryController] = {}
         self.outcomes_path = settings.data_dir / "scheduler" / "canary-outcomes.json"

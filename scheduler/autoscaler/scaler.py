@@ -98,6 +98,10 @@ class Autoscaler:
         self._window: deque[tuple[float, int, float]] = deque()
         self._sent: int | None = None
         self._scaling: asyncio.Task[None] | None = None  # an actuator call still running
+        # Every series this pool reports exists from the start, at 0 (not "no data").
+        self.metrics.actuator_errors.labels(pool, actuator.name)
+        for direction in ("up", "down", "hold"):
+            self.metrics.scale_decisions.labels(pool, policy.type_name, direction)
 
     def _forecast(self, start: float, end: float) -> float | None:
         return self.forecaster.peak(start, end)
