@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, func, text
-from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
-from sqlmodel import Session, SQLModel, col, select
+from sqlmodel import Session, col, select
 
+from batch_jobs import migrations
 from batch_jobs.models import BatchLine, LaneState, RequestCounts, RuntimeReplica, WorkerRecord
 
 __all__ = [
@@ -42,11 +42,12 @@ __all__ = [
 
 
 class Store:
-    """An engine plus sessions; creates the tables on first use."""
+    """An engine plus sessions; brings the database's schema to the newest revision on start
+    (``batch_jobs.migrations``: creates it when empty, upgrades an older one)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        _create_schema(engine)
+        migrations.upgrade(engine)
         # SQLite has one writer at a time and its busy handler backs off in sleeps of up to 100 ms;
         # threads of one process take turns here instead (other processes still use the handler).
         self._turn: threading.RLock | None = threading.RLock() if engine.dialect.name == "sqlite" else None
@@ -72,19 +73,6 @@ class Store:
 
     def dispose(self) -> None:
         self.engine.dispose()
-
-
-def _create_schema(engine: Engine, attempts: int = 5) -> None:
-    """Create missing tables. The gateway and workers start together and may race to create the
-    same table: the loser sees "already exists" and simply checks again."""
-    for attempt in range(attempts):
-        try:
-            SQLModel.metadata.create_all(engine)
-            return
-        except (OperationalError, ProgrammingError, IntegrityError):
-            if attempt == attempts - 1:
-                raise
-            time.sleep(0.1 * (attempt + 1))
 
 
 def make_engine(url: str, *, echo: bool = False) -> Engine:
