@@ -35,16 +35,11 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import re
-import secrets
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,10 +52,10 @@ import yaml
 from bench.soak import ChatResult, chat_request, rss_of
 from priority.window import quantile
 from replicas.launcher import free_port
+from tidal.cli.platform import LocalPlatform, local_platform
 
 __all__ = ["run"]
 
-ROOT = Path(__file__).resolve().parents[1]
 CHAT_MODEL = "llama-3.1-8b-instruct"
 EMBED_MODEL = "e5-mistral-7b-instruct"
 PRESET = "llama-3.1-8b-h100"
@@ -141,83 +136,11 @@ def _fleet(ports: dict[str, int], canary_step_s: float, cap: int) -> dict[str, A
 # -- the platform ------------------------------------------------------------------------------
 
 
-@dataclass
-class _Platform:
-    url: str
-    key: str
-    admin_key: str
-    data_dir: Path
-    fleet_path: Path
-    scheduler_port: int
-    proc: subprocess.Popen[bytes]
-
-    def pids(self) -> dict[str, int]:
-        """The gateway's, the worker's and the scheduler's process ids: ``tidal up``'s children,
-        told apart by their command line (Celery retitles the worker's)."""
-        out: dict[str, int] = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if ppid != self.proc.pid:
-                    continue
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-                for part, marks in _PARTS.items():
-                    if any(m in cmd for m in marks):
-                        out[part] = int(entry.name)
-        return out
-
-
-_PARTS = {
-    "gateway": (b"tidal gateway ",),
-    "worker": (b"tidal worker ", b"celeryd"),
-    "scheduler": (b"tidal scheduler ",),
-}
-
-
-@contextlib.contextmanager
-def _platform(tmp: Path, canary_step_s: float, log: Any) -> Iterator[_Platform]:
-    names = ["sim-i0", "sim-i1", "sim-c0", "sim-e0", "sim-b0"]
-    ports = {n: free_port() for n in names}
-    fleet_path = tmp / "fleet.yaml"
-    fleet_path.write_text(yaml.safe_dump(_fleet(ports, canary_step_s, CAP), sort_keys=False))
-    port, scheduler_port, flower_port = free_port(), free_port(), free_port()
-    key = f"soak-{secrets.token_urlsafe(16)}"
-    admin_key = f"soak-admin-{secrets.token_urlsafe(16)}"
-    data_dir = tmp / "data"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-        "TIDAL_ADMIN_KEY": admin_key,
-        # Queues of their own on the shared broker, so nothing else's messages mix in.
-        "TIDAL_QUEUE_NAMESPACE": f"mixed-soak-{secrets.token_hex(4)}",
-        "TIDAL_DATA_DIR": str(data_dir),
-    }
-    argv = [sys.executable, "-m", "tidal", "up", "--config", str(fleet_path), "--port", str(port)]
-    argv += ["--api-key", key, "--data-dir", str(data_dir), "--scheduler-port", str(scheduler_port)]
-    argv += ["--flower-port", str(flower_port), "--worker-metrics-port", str(free_port())]
-    out = (tmp / "up.log").open("wb")
-    proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while b"Ready." not in (tmp / "up.log").read_bytes():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"tidal up did not start:\n{(tmp / 'up.log').read_text()[-3000:]}")
-            time.sleep(0.5)
-        log(f"tidal up is ready (logs in {data_dir / 'logs'})")
-        yield _Platform(
-            f"http://127.0.0.1:{port}", key, admin_key, data_dir, fleet_path, scheduler_port, proc
-        )
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # tidal up stops its parts in order
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        out.close()
+def _write_fleet(tmp: Path, canary_step_s: float) -> Path:
+    ports = {n: free_port() for n in ("sim-i0", "sim-i1", "sim-c0", "sim-e0", "sim-b0")}
+    path = tmp / "fleet.yaml"
+    path.write_text(yaml.safe_dump(_fleet(ports, canary_step_s, CAP), sort_keys=False))
+    return path
 
 
 # -- the work ----------------------------------------------------------------------------------
@@ -303,7 +226,7 @@ async def _jobs(client: openai.AsyncOpenAI, tally: _Tally, every_s: float, until
 
 async def _chat(
     session: aiohttp.ClientSession,
-    p: _Platform,
+    p: LocalPlatform,
     quiet_rps: float,
     busy_rps: float,
     period_s: float,
@@ -329,7 +252,7 @@ async def _chat(
 
 
 @contextlib.asynccontextmanager
-async def _watch(p: _Platform, every_s: float) -> AsyncIterator[dict[str, list[tuple[float, int]]]]:
+async def _watch(p: LocalPlatform, every_s: float) -> AsyncIterator[dict[str, list[tuple[float, int]]]]:
     """RSS of the gateway, the worker and the scheduler, sampled every ``every_s``."""
     samples: dict[str, list[tuple[float, int]]] = {}
 
@@ -444,7 +367,7 @@ def _rss_row(samples: list[tuple[float, int]]) -> dict[str, Any]:
     return {"start_mb": start / 2**20, "end_mb": end / 2**20, "ratio": end / start}
 
 
-async def _bench(p: _Platform, o: dict[str, float], log: Any) -> dict[str, Any]:
+async def _bench(p: LocalPlatform, o: dict[str, float], log: Any) -> dict[str, Any]:
     tally = _Tally()
     seconds = o["seconds"]
     client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key=p.key, max_retries=0, timeout=60.0)
@@ -464,7 +387,7 @@ async def _bench(p: _Platform, o: dict[str, float], log: Any) -> dict[str, Any]:
         )
         log(f"traffic done after {time.monotonic() - t0:.0f} s: {len(chat)} chat requests")
         await _settle(client, tally, o["drain_s"], log)
-    metrics = _scrape(f"http://127.0.0.1:{p.scheduler_port}/metrics")
+    metrics = _scrape(f"{p.scheduler_url}/metrics")
     outcomes_file = p.data_dir / "scheduler" / "canary-outcomes.json"
     outcome = (
         json.loads(outcomes_file.read_text())["pools"].get("interactive") if outcomes_file.exists() else None
@@ -568,7 +491,7 @@ def run(
 
     with (
         tempfile.TemporaryDirectory(prefix="tidal-bench-mixed-soak-") as tmp,
-        _platform(Path(tmp), canary_step_s, log) as platform,
+        local_platform(_write_fleet(Path(tmp), canary_step_s), Path(tmp), log=log) as platform,
     ):
         result = asyncio.run(_bench(platform, o, log))
 

@@ -6,10 +6,11 @@ import importlib.util
 import os
 import shutil
 import socket
+from pathlib import Path
 
 import pytest
 
-__all__ = ["in_ci", "require_module", "require_tcp", "require_tool"]
+__all__ = ["headless_chromium", "in_ci", "require_module", "require_tcp", "require_tool"]
 
 
 def in_ci() -> bool:
@@ -43,3 +44,25 @@ def require_tool(name: str, why: str) -> str:
         _missing(f"{name} is not installed ({why}; scripts/setup --dev installs it)")
     assert path is not None
     return path
+
+
+def headless_chromium(profile_dir: Path, window: str = "1200,3600") -> list[str]:
+    """The command line of Debian's chromium, headless, with a throw-away profile; the page's URL
+    and ``--dump-dom`` or ``--screenshot=FILE`` go after it."""
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        _missing("Debian's chromium is needed for browser tests (scripts/setup --dev installs it)")
+    assert binary is not None
+    return [
+        binary,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile_dir}",
+        f"--window-size={window}",
+        "--hide-scrollbars",
+    ]

@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "fleet": "tidal.cli.fleet:fleet",
     "keys": "tidal.cli.keys:keys",
     "plan": "tidal.cli.plan:plan",
+    "demo": "tidal.cli.demo:demo",
 }
 
 

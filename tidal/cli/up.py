@@ -451,6 +451,7 @@ def _print_summary(
     ]
     if scraped:
         click.echo(f"Prometheus metrics: {', '.join(scraped)}; Grafana dashboard and alert rules in deploy/")
+    click.echo("Watch the platform work: `tidal demo --quick` (its own copy on free ports; an HTML report)")
     click.echo("Ready. Ctrl-C stops everything.")
     sys.stdout.flush()
     time.sleep(0)
