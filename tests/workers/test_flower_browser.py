@@ -19,24 +19,12 @@ import pytest
 
 from replicas.launcher import free_port
 from tests.batch_tier import ROOT, BatchTier, require_rabbitmq, running_tier, tiny_fleet, wait_for
-from tests.services import in_ci
+from tests.services import headless_chromium
 
 pytestmark = [pytest.mark.browser, pytest.mark.rabbitmq]
 
 COMMITTED_SCREENSHOT = ROOT / "docs" / "flower-workers.png"
 AUTH = "ops:flower-test-password"
-
-
-def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        if in_ci():
-            pytest.fail(
-                "Debian's chromium is needed for browser tests (scripts/setup --dev installs it)",
-                pytrace=False,
-            )
-        pytest.skip("chromium is not installed")
-    return path
 
 
 @pytest.fixture
@@ -68,7 +56,6 @@ def _status(url: str, auth: tuple[str, str] | None = None) -> int:
 
 
 def test_flower_shows_the_lanes_workers_behind_basic_auth(tier: BatchTier, tmp_path: Path) -> None:
-    chromium = _chromium()
     workers = tier.start_workers(["reserved", "spot", "shared"], concurrency=1)
     port = free_port()
     log = (tmp_path / "flower.log").open("wb")
@@ -94,29 +81,15 @@ def test_flower_shows_the_lanes_workers_behind_basic_auth(tier: BatchTier, tmp_p
         # When a person opens the workers page in a browser
         profile = tmp_path / "chromium-profile"
         url = f"http://{user}:{password}@127.0.0.1:{port}/workers"
-        flags = [
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={profile}",
-            "--window-size=1280,720",
-            "--hide-scrollbars",
-            "--virtual-time-budget=5000",
-        ]
-        dom = subprocess.run(
-            [chromium, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=90
-        ).stdout
+        browser = [*headless_chromium(profile, window="1280,720"), "--virtual-time-budget=5000"]
+        dom = subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True, timeout=90).stdout
         # Then the page lists a worker of each lane, online
         for lane in ("reserved", "spot", "shared"):
             assert f"{lane}@" in dom, dom[:2000]
         assert "Online" in dom
         screenshot = tmp_path / "flower-workers.png"
         subprocess.run(
-            [chromium, *flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=90, check=True
+            [*browser, f"--screenshot={screenshot}", url], capture_output=True, timeout=90, check=True
         )
         assert screenshot.stat().st_size > 10_000
         if os.environ.get("TIDAL_UPDATE_SCREENSHOTS") == "1":

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.scheduler.plan.workloads import write_profile
-from tests.services import in_ci
+from tests.services import headless_chromium
 from tidal.cli import cli
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -67,21 +67,9 @@ def test_bad_options_say_what_is_wrong(args: list[str], message: str) -> None:
     assert message in out + err
 
 
-def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        if in_ci():
-            pytest.fail(
-                "Debian's chromium is needed for browser tests (scripts/setup --dev installs it)",
-                pytrace=False,
-            )
-        pytest.skip("chromium is not installed")
-    return path
-
-
 @pytest.mark.browser
 def test_the_html_report_opens_in_a_browser(tmp_path: Path) -> None:
-    chromium = _chromium()
+    browser = headless_chromium(tmp_path / "chromium-profile")
     profile = write_profile(tmp_path, duration_s=120)
     html = tmp_path / "plan.html"
     code, _, err = _plan(
@@ -91,32 +79,16 @@ def test_the_html_report_opens_in_a_browser(tmp_path: Path) -> None:
         ]
     )  # fmt: skip
     assert code == 0, err
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-        "--window-size=1200,3600",
-        "--hide-scrollbars",
-    ]
     url = html.as_uri()
     # When a person opens the report
-    dom = subprocess.run(
-        [chromium, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=90
-    ).stdout
+    dom = subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True, timeout=90).stdout
     # Then it shows the options, the week, the capacity replays, prediction against replay, effects
     assert "Capacity plan: llama-3.1-8b on h100" in dom
     for heading in ("Replicas over the week", "Capacity measurement", "Latency distributions", "Effects"):
         assert heading in dom
     assert dom.count("<img") >= 5
     screenshot = tmp_path / "plan-report.png"
-    subprocess.run(
-        [chromium, *flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=90, check=True
-    )
+    subprocess.run([*browser, f"--screenshot={screenshot}", url], capture_output=True, timeout=90, check=True)
     assert screenshot.stat().st_size > 50_000
     if os.environ.get("TIDAL_UPDATE_SCREENSHOTS") == "1":
         shutil.copyfile(screenshot, COMMITTED_SCREENSHOT)
