@@ -81,6 +81,7 @@ class InteractiveService:
         seed: int | None = None,
     ) -> None:
         self.fleet = fleet
+        self._models = {m.name: m for m in fleet.models}  # looked up per request
         self.settings = settings
         self.clock = clock or SystemClock()
         self.registry = ReplicaRegistry.from_fleet(fleet, self.clock)
@@ -227,7 +228,7 @@ class InteractiveService:
     def _model(self, name: str, tenant: str, path: str) -> tuple[str, str | None]:
         """The base model and adapter ``name`` stands for, when it can answer ``path`` (an
         embedding model serves ``/v1/embeddings`` alone, a generative one everything else)."""
-        models = {m.name: m for m in self.fleet.models}
+        models = self._models
         spec, adapter = models.get(name), None
         if spec is None:
             # An adapter bound to other tenants does not exist for this one: the same 404, no load.
