@@ -49,7 +49,7 @@ import httpx
 import openai
 import yaml
 
-from bench.soak import ChatResult, chat_request, rss_of
+from bench.soak import ChatResult, chat_counts, chat_request, rss_growth, rss_of
 from priority.window import quantile
 from replicas.launcher import free_port
 from tidal.cli.platform import LocalPlatform, local_platform
@@ -339,32 +339,7 @@ def _p(values: list[float], q: float) -> float | None:
 
 
 def _chat_row(phase: str, results: list[ChatResult]) -> dict[str, Any]:
-    ok = [r for r in results if r.status == 200]
-    refused = [r for r in results if r.status == 429]
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    return {
-        "phase": phase,
-        "requests": len(results),
-        "admitted": len(ok),
-        "refused_429": len(refused),
-        "refused_429_without_retry_after": sum(1 for r in refused if not r.retry_after),
-        "server_errors": sum(1 for r in results if r.status >= 500),
-        "other_status": sum(1 for r in results if r.status not in (200, 429) and 0 < r.status < 500),
-        "connection_errors": sum(1 for r in results if r.status == 0),
-        "timed_out": sum(1 for r in results if r.status == -1),
-        "ttft_p50_s": _p(ttfts, 0.5),
-        "ttft_p95_s": _p(ttfts, 0.95),
-    }
-
-
-def _rss_row(samples: list[tuple[float, int]]) -> dict[str, Any]:
-    live = [(t, b) for t, b in samples if b > 0]
-    if not live:
-        return {"start_mb": None, "end_mb": None, "ratio": None}
-    t_first, t_last = live[0][0], live[-1][0]
-    start = next(b for t, b in live if t >= t_first + 0.25 * (t_last - t_first))
-    end = live[-1][1]
-    return {"start_mb": start / 2**20, "end_mb": end / 2**20, "ratio": end / start}
+    return {"phase": phase, **chat_counts(results)}
 
 
 async def _bench(p: LocalPlatform, o: dict[str, float], log: Any) -> dict[str, Any]:
@@ -399,7 +374,7 @@ async def _bench(p: LocalPlatform, o: dict[str, float], log: Any) -> dict[str, A
     rows = [_chat_row(phase, [r for ph, r in chat if ph == phase]) for phase in ("quiet", "busy")]
     rows.append(_chat_row("all", [r for _, r in chat]))
     everything = rows[-1]
-    rss_rows = {part: _rss_row(s) for part, s in rss.items()}
+    rss_rows = {part: rss_growth(s) for part, s in rss.items()}
     batch = {
         "submitted": len(tally.batches),
         "completed": sum(1 for b in tally.batches if b["status"] == "completed"),

@@ -324,19 +324,13 @@ def _p(values: list[float], q: float) -> float | None:
     return quantile(v, q) if v else None
 
 
-def _phase(
-    name: str, offered_rps: float | None, results: list[ChatResult], rss: list[tuple[float, int]]
-) -> dict[str, Any]:
+def chat_counts(results: list[ChatResult]) -> dict[str, Any]:
+    """What a list of chat requests got: answers, refusals (and whether they said
+    ``Retry-After``), errors, and the answered ones' TTFT."""
     ok = [r for r in results if r.status == 200]
     refused = [r for r in results if r.status == 429]
-    rss_start = rss_end = None
-    if rss:
-        t_first, t_last = rss[0][0], rss[-1][0]
-        after_warmup = [b for t, b in rss if t >= t_first + 0.25 * (t_last - t_first)]
-        rss_start, rss_end = after_warmup[0], rss[-1][1]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
     return {
-        "phase": name,
-        "offered_rps": offered_rps,
         "requests": len(results),
         "admitted": len(ok),
         "refused_429": len(refused),
@@ -345,11 +339,34 @@ def _phase(
         "other_status": sum(1 for r in results if r.status not in (200, 429) and 0 < r.status < 500),
         "connection_errors": sum(1 for r in results if r.status == 0),
         "timed_out": sum(1 for r in results if r.status == -1),
-        "ttft_p50_s": _p([r.ttft for r in ok if r.ttft is not None], 0.5),
-        "ttft_p95_s": _p([r.ttft for r in ok if r.ttft is not None], 0.95),
-        "rss_start_mb": rss_start / 2**20 if rss_start else None,
-        "rss_end_mb": rss_end / 2**20 if rss_end else None,
-        "rss_ratio": rss_end / rss_start if rss_start and rss_end else None,
+        "ttft_p50_s": _p(ttfts, 0.5),
+        "ttft_p95_s": _p(ttfts, 0.95),
+    }
+
+
+def rss_growth(samples: list[tuple[float, int]]) -> dict[str, float | None]:
+    """Resident memory from a quarter of the run (after warm-up) to its end, in MB, and the
+    ratio of the two; ``samples`` are (time, bytes), 0 bytes meaning the process was not there."""
+    live = [(t, b) for t, b in samples if b > 0]
+    if not live:
+        return {"start_mb": None, "end_mb": None, "ratio": None}
+    t_first, t_last = live[0][0], live[-1][0]
+    start = next(b for t, b in live if t >= t_first + 0.25 * (t_last - t_first))
+    end = live[-1][1]
+    return {"start_mb": start / 2**20, "end_mb": end / 2**20, "ratio": end / start}
+
+
+def _phase(
+    name: str, offered_rps: float | None, results: list[ChatResult], rss: list[tuple[float, int]]
+) -> dict[str, Any]:
+    growth = rss_growth(rss)
+    return {
+        "phase": name,
+        "offered_rps": offered_rps,
+        **chat_counts(results),
+        "rss_start_mb": growth["start_mb"],
+        "rss_end_mb": growth["end_mb"],
+        "rss_ratio": growth["ratio"],
     }
 
 

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
-import secrets
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +24,7 @@ import yaml
 from replicas.launcher import free_port
 from tests.batch_tier import chat_lines, require_rabbitmq, wait_for
 from tests.services import require_tool
+from tidal.cli.platform import LocalPlatform, local_platform
 from tidal.defaults import DEFAULT_FLEET_PATH
 
 pytestmark = pytest.mark.slow
@@ -61,16 +58,6 @@ def _fleet(tmp: Path) -> dict[str, int]:
     }
     ports["external"] = int(data["external_provider"]["url"].split(":")[2].split("/")[0])
     return ports
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def _prometheus_config(tmp: Path, targets: dict[str, list[str]]) -> Path:
@@ -138,51 +125,28 @@ def _query(prom: str, expr: str) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def platform(tmp_path: Path) -> Iterator[dict[str, Any]]:
+def platform(tmp_path: Path) -> Iterator[tuple[LocalPlatform, dict[str, int]]]:
     require_rabbitmq()
     ports = _fleet(tmp_path)
-    port, sched, worker, flower = free_port(), free_port(), free_port(), free_port()
-    key, admin_key = f"prom-{secrets.token_hex(8)}", f"prom-admin-{secrets.token_hex(12)}"
-    env = {**os.environ, "TIDAL_QUEUE_NAMESPACE": f"t{secrets.token_hex(5)}", "TIDAL_ADMIN_KEY": admin_key}
-    for var in ("TIDAL_DATABASE_URL", "TIDAL_FILES_DIR", "TIDAL_FLEET_CONFIG", "TIDAL_DATA_DIR"):
-        env.pop(var, None)
-    out = tmp_path / "up.log"
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "tidal", "up", "--config", str(tmp_path / "fleet.yaml"), "--port", str(port),
-            "--api-key", key, "--data-dir", str(tmp_path / "data"), "--flower-port", str(flower),
-            "--scheduler-port", str(sched), "--worker-metrics-port", str(worker),
-        ],
-        cwd=ROOT, env=env, stdout=out.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        wait_for(lambda: "Ready." in out.read_text() or proc.poll() is not None, 240, "tidal up to be ready")
-        assert proc.poll() is None, out.read_text()[-3000:]
-        yield {
-            "gateway": port,
-            "scheduler": sched,
-            "worker": worker,
-            "flower": flower,
-            "replicas": ports,
-            "key": key,
-            "admin_key": admin_key,
-            "log": out,
-        }
-    finally:
-        _stop(proc)
+    with local_platform(tmp_path / "fleet.yaml", tmp_path / "run", log=lambda _: None) as p:
+        yield p, ports
 
 
 def test_every_dashboard_panel_has_data_in_a_real_prometheus(
-    platform: dict[str, Any], tmp_path: Path
+    platform: tuple[LocalPlatform, dict[str, int]], tmp_path: Path
 ) -> None:
     binary = require_tool("prometheus", "Debian's prometheus package")
-    local = "127.0.0.1:{}".format
+    p, ports = platform
+
+    def target(url: str) -> list[str]:
+        return [url.removeprefix("http://")]
+
     targets = {
-        "tidal-gateway": [local(platform["gateway"])],
-        "tidal-scheduler": [local(platform["scheduler"])],
-        "tidal-worker": [local(platform["worker"])],
-        "flower": [local(platform["flower"])],
-        "replicas": [local(p) for p in platform["replicas"].values()],
+        "tidal-gateway": target(p.url),
+        "tidal-scheduler": target(p.scheduler_url),
+        "tidal-worker": target(p.worker_metrics_url),
+        "flower": target(p.flower_url),
+        "replicas": [f"127.0.0.1:{port}" for port in ports.values()],
     }
     prom_port = free_port()
     prom = f"http://127.0.0.1:{prom_port}"
@@ -196,11 +160,11 @@ def test_every_dashboard_panel_has_data_in_a_real_prometheus(
     try:
         wait_for(lambda: _ready(prom), 60, "prometheus to be ready")
         # A replica that is registered but not there: probes fail, requests sent to it are retried
-        gw = f"http://127.0.0.1:{platform['gateway']}"
-        admin = {"Authorization": f"Bearer {platform['admin_key']}"}
+        gw = p.url
+        admin = {"Authorization": f"Bearer {p.admin_key}"}
         ghost = {"name": "ghost-0", "url": f"http://127.0.0.1:{free_port()}", "pool": "interactive"}
         assert httpx.post(f"{gw}/admin/replicas", json=ghost, headers=admin, timeout=10).status_code == 201
-        done = _traffic(f"{gw}/v1", platform["key"], 25.0)
+        done = _traffic(f"{gw}/v1", p.key, 25.0)
         assert done["chat"] > 20 and done["embeddings"] > 20, done
 
         queries = _panel_queries()

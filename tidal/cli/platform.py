@@ -41,6 +41,7 @@ class LocalPlatform:
     admin_key: str
     scheduler_url: str
     worker_metrics_url: str
+    flower_url: str
     data_dir: Path
     fleet_path: Path
     proc: subprocess.Popen[bytes]
@@ -112,6 +113,7 @@ def local_platform(
             admin_key=admin_key,
             scheduler_url=f"http://127.0.0.1:{scheduler_port}",
             worker_metrics_url=f"http://127.0.0.1:{worker_port}",
+            flower_url=f"http://127.0.0.1:{flower_port}",
             data_dir=data_dir,
             fleet_path=fleet_path,
             proc=proc,
