@@ -37,7 +37,7 @@ __all__ = ["demo"]
 
 CHAT_MODEL = "llama-3.1-8b-instruct"
 EMBED_MODEL = "e5-mistral-7b-instruct"
-STARTUP_ALLOWANCE_S = 30.0  # tidal up's start, before the night begins
+STARTUP_ALLOWANCE_S = 40.0  # tidal up's start, before the night begins (a busy machine is slower)
 # (name, share of the scenario)
 PHASES = [("night", 0.35), ("evening ramp", 0.3), ("spike", 0.15), ("calm", 0.2)]
 
