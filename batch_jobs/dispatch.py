@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from celery import Celery
-from sqlalchemy import Connection, bindparam, text
 from sqlmodel import Session
 
+from batch_jobs import queries
+from batch_jobs.queries import lock_tenant
 from batch_jobs.store import Store
 from priority.classes import Lane, rabbitmq_priority
 from priority.queues import CHUNK_TASK, Topology, celery_base_config, is_amqp
@@ -138,25 +139,8 @@ def publish_pending(
 
     Stops at the first broker failure: the rest stay pending for the next sweep.
     """
-    where = ["c.state = 'pending'", "b.status = 'in_progress'"]
-    params: dict[str, Any] = {"lim": limit}
-    if batch_id is not None:
-        where.append("c.batch_id = :b")
-        params["b"] = batch_id
     with store.session() as s:
-        rows = (
-            s.connection()
-            .execute(
-                text(
-                    f"""SELECT c.batch_id, c.chunk_no, c.queue_lane, c.priority
-                          FROM tidal_batch_chunks c JOIN tidal_batches b ON b.id = c.batch_id
-                         WHERE {" AND ".join(where)}
-                         ORDER BY c.priority DESC, b.seq, c.chunk_no LIMIT :lim"""
-                ),
-                params,
-            )
-            .all()
-        )
+        rows = queries.pending_chunks(s, batch_id=batch_id, limit=limit)
     sent = 0
     for page_start in range(0, len(rows), _PAGE):
         page = rows[page_start : page_start + _PAGE]
@@ -168,14 +152,6 @@ def publish_pending(
 
 
 _PAGE = 200
-_CLAIM = text(
-    """UPDATE tidal_batch_chunks SET state = 'publishing', publish_claim = :t, published_at = :now
-        WHERE batch_id = :b AND chunk_no IN :nos AND state = 'pending'"""
-).bindparams(bindparam("nos", expanding=True))
-_SETTLE = text(
-    """UPDATE tidal_batch_chunks SET state = :new
-        WHERE publish_claim = :t AND state = 'publishing' AND batch_id = :b AND chunk_no IN :nos"""
-).bindparams(bindparam("nos", expanding=True))
 
 
 def _by_batch(items: list[tuple[str, int]]) -> dict[str, list[int]]:
@@ -192,18 +168,8 @@ def _publish_page(store: Store, publisher: ChunkPublisher, page: list[Any]) -> t
     token = secrets.token_hex(8)
     with store.session() as s:
         for bid, nos in _by_batch([(r[0], r[1]) for r in page]).items():
-            s.connection().execute(_CLAIM, {"t": token, "now": time.time(), "b": bid, "nos": nos})
-        claimed = (
-            s.connection()
-            .execute(
-                text(
-                    """SELECT batch_id, chunk_no, queue_lane, priority FROM tidal_batch_chunks
-                        WHERE publish_claim = :t AND state = 'publishing'"""
-                ),
-                {"t": token},
-            )
-            .all()
-        )
+            queries.claim_chunks(s, token=token, now=time.time(), batch_id=bid, chunk_nos=nos)
+        claimed = queries.claimed_chunks(s, token)
     mine = {(r[0], r[1]) for r in claimed}
     done: list[tuple[str, int]] = []
     failed = False
@@ -221,7 +187,7 @@ def _publish_page(store: Store, publisher: ChunkPublisher, page: list[Any]) -> t
     with store.session() as s:
         for state, items in (("queued", done), ("pending", undone)):
             for bid, nos in _by_batch(items).items():
-                s.connection().execute(_SETTLE, {"new": state, "t": token, "b": bid, "nos": nos})
+                queries.settle_chunks(s, token=token, batch_id=bid, chunk_nos=nos, state=state)
     return len(done), failed
 
 
@@ -265,32 +231,6 @@ def tenant_windows(fleet: FleetConfig, settings: Settings) -> WindowOf:
     return window
 
 
-_ENSURE_TENANT = text(
-    """INSERT INTO tidal_batch_tenants (tenant, dispatched_at) VALUES (:t, 0)
-       ON CONFLICT (tenant) DO NOTHING"""
-)
-_LOCK_TENANT = text("UPDATE tidal_batch_tenants SET dispatched_at = dispatched_at WHERE tenant = :t")
-
-
-def lock_tenant(session: Session, tenant: str) -> None:
-    """Hold ``tenant``'s row in ``tidal_batch_tenants`` locked until ``session`` commits: on
-    PostgreSQL a row lock (other tenants go on), on SQLite the database's write lock. Taken by
-    whoever decides from the tenant's totals (its dispatchers, its submissions), so that two such
-    decisions never both act on the same stale count. Call it before reading those totals: on
-    SQLite a transaction that read first may not take the write lock later."""
-    conn = session.connection()
-    conn.execute(_ENSURE_TENANT, {"t": tenant})
-    conn.execute(_LOCK_TENANT, {"t": tenant})
-
-
-# Only open batches hold chunks in flight: a cancelled or expired batch's queued chunks are
-# dropped by the first worker that takes them, and a message the broker lost cannot shrink a
-# tenant's window for longer than its batch lives.
-_OPEN = "b.status = 'in_progress' AND b.final_claim IS NULL"
-_SPAN = "(c.last_line - c.first_line + 1)"
-_IN_FLIGHT = "c.state IN ('publishing', 'queued', 'running')"
-
-
 class _Waiting(NamedTuple):
     tenant: str
     lane: str
@@ -307,48 +247,18 @@ class _Claimed(NamedTuple):
     token: str
 
 
-def _filters(lane: str | None, tenant: str | None) -> tuple[str, dict[str, Any]]:
-    where, params = "", {}
-    if lane is not None:
-        where += " AND c.queue_lane = :l"
-        params["l"] = lane
-    if tenant is not None:
-        where += " AND b.tenant = :t"
-        params["t"] = tenant
-    return where, params
-
-
-def _waiting(conn: Connection, lane: str | None, tenant: str | None) -> list[_Waiting]:
+def _waiting(session: Session, lane: str | None, tenant: str | None) -> list[_Waiting]:
     """Tenants and lanes with pending chunks of open batches, each with its most urgent priority
     and when the tenant was last served."""
-    where, params = _filters(lane, tenant)
-    rows = conn.execute(
-        text(
-            f"""SELECT b.tenant, c.queue_lane, MAX(c.priority), COALESCE(MAX(d.dispatched_at), 0)
-                  FROM tidal_batch_chunks c JOIN tidal_batches b ON b.id = c.batch_id
-                  LEFT JOIN tidal_batch_tenants d ON d.tenant = b.tenant
-                 WHERE c.state = 'pending' AND {_OPEN}{where}
-                 GROUP BY b.tenant, c.queue_lane"""
-        ),
-        params,
-    ).all()
+    rows = queries.waiting_tenants(session, lane=lane, tenant=tenant)
     return [_Waiting(str(r[0]), str(r[1]), int(r[2]), float(r[3])) for r in rows]
 
 
 def _in_flight(
-    conn: Connection, lane: str | None, tenant: str | None
+    session: Session, lane: str | None, tenant: str | None
 ) -> dict[tuple[str, str], tuple[int, int]]:
     """(chunks, lines) in flight per (tenant, lane)."""
-    where, params = _filters(lane, tenant)
-    rows = conn.execute(
-        text(
-            f"""SELECT b.tenant, c.queue_lane, COUNT(*), COALESCE(SUM({_SPAN}), 0)
-                  FROM tidal_batch_chunks c JOIN tidal_batches b ON b.id = c.batch_id
-                 WHERE {_IN_FLIGHT} AND {_OPEN}{where}
-                 GROUP BY b.tenant, c.queue_lane"""
-        ),
-        params,
-    ).all()
+    rows = queries.chunks_in_flight(session, lane=lane, tenant=tenant)
     return {(str(r[0]), str(r[1])): (int(r[2]), int(r[3])) for r in rows}
 
 
@@ -361,8 +271,7 @@ def _claim_window(
     token = secrets.token_hex(8)
     with store.session() as s:
         lock_tenant(s, tenant)
-        conn = s.connection()
-        n, lines = _in_flight(conn, lane, tenant).get((tenant, lane), (0, 0))
+        n, lines = _in_flight(s, lane, tenant).get((tenant, lane), (0, 0))
         if not window.fits(n, lines, 1):
             return []
         room = cap
@@ -370,15 +279,7 @@ def _claim_window(
             room = min(room, max(1, window.chunks - n))
         if window.lines is not None:
             room = min(room, max(1, window.lines - lines))  # a chunk spans at least one line
-        rows = conn.execute(
-            text(
-                f"""SELECT c.batch_id, c.chunk_no, c.priority, {_SPAN}
-                      FROM tidal_batch_chunks c JOIN tidal_batches b ON b.id = c.batch_id
-                     WHERE c.state = 'pending' AND {_OPEN} AND b.tenant = :t AND c.queue_lane = :l
-                     ORDER BY c.priority DESC, b.seq, c.chunk_no LIMIT :lim"""
-            ),
-            {"t": tenant, "l": lane, "lim": room},
-        ).all()
+        rows = queries.pending_chunks_of_tenant(s, tenant=tenant, lane=lane, limit=room)
         take: list[tuple[str, int]] = []
         for bid, chunk_no, _priority, span in rows:
             if not window.fits(n + len(take), lines, int(span)):
@@ -388,20 +289,10 @@ def _claim_window(
         if not take:
             return []
         for bid, nos in _by_batch(take).items():
-            conn.execute(_CLAIM, {"t": token, "now": now, "b": bid, "nos": nos})
+            queries.claim_chunks(s, token=token, now=now, batch_id=bid, chunk_nos=nos)
         # A duplicate message may have started one meanwhile (pending -> running): not ours.
-        claimed = conn.execute(
-            text(
-                """SELECT c.batch_id, c.chunk_no, c.queue_lane, c.priority FROM tidal_batch_chunks c
-                    WHERE c.publish_claim = :tok AND c.state = 'publishing' AND c.batch_id IN :bids
-                    ORDER BY c.priority DESC, c.chunk_no"""
-            ).bindparams(bindparam("bids", expanding=True)),
-            {"tok": token, "bids": sorted({b for b, _ in take})},
-        ).all()
-        conn.execute(
-            text("UPDATE tidal_batch_tenants SET dispatched_at = :now WHERE tenant = :t"),
-            {"now": now, "t": tenant},
-        )
+        claimed = queries.claimed_chunks_in_order(s, token=token, batch_ids=sorted({b for b, _ in take}))
+        queries.mark_tenant_served(s, tenant, now=now)
     order = {key: i for i, key in enumerate(take)}
     out = [_Claimed(tenant, str(r[0]), int(r[1]), str(r[2]), int(r[3]), token) for r in claimed]
     return sorted(out, key=lambda c: order[(c.batch_id, c.chunk_no)])
@@ -426,9 +317,8 @@ def top_up(
     """
     now = time.time()
     with store.session() as s:
-        conn = s.connection()
-        waiting = _waiting(conn, lane, tenant)
-        busy = _in_flight(conn, lane, tenant) if waiting else {}
+        waiting = _waiting(s, lane, tenant)
+        busy = _in_flight(s, lane, tenant) if waiting else {}
     # Claim the most urgent work first, so that a pass cut short by ``limit`` still serves it.
     waiting.sort(key=lambda w: (-w.top_priority, w.served_at, w.tenant, w.lane))
     claimed: list[_Claimed] = []
@@ -464,25 +354,14 @@ def top_up(
                 by_token.setdefault(c.token, []).append((c.batch_id, c.chunk_no))
             for token, keys in by_token.items():
                 for bid, nos in _by_batch(keys).items():
-                    s.connection().execute(_SETTLE, {"new": state, "t": token, "b": bid, "nos": nos})
+                    queries.settle_chunks(s, token=token, batch_id=bid, chunk_nos=nos, state=state)
     return len(done)
 
 
 def release_stale_publishing(store: Store, *, now: float, older_than_s: float = 60.0) -> int:
     """Chunks claimed by a publisher that died before it finished go back to pending."""
     with store.session() as s:
-        return int(
-            s.connection()
-            .execute(
-                text(
-                    """UPDATE tidal_batch_chunks SET state = 'pending'
-                        WHERE state = 'publishing' AND published_at < :cut"""
-                ),
-                {"cut": now - older_than_s},
-            )
-            .rowcount
-            or 0
-        )
+        return queries.release_stale_publishing(s, cut=now - older_than_s)
 
 
 def requeue_stale_running(store: Store, *, now: float, stale_after_s: float) -> int:
@@ -492,15 +371,4 @@ def requeue_stale_running(store: Store, *, now: float, stale_after_s: float) -> 
     embedded fallback); RabbitMQ redelivers them itself.
     """
     with store.session() as s:
-        return int(
-            s.connection()
-            .execute(
-                text(
-                    """UPDATE tidal_batch_chunks SET state = 'pending', created_at = :now
-                        WHERE state = 'running' AND heartbeat_at < :cut"""
-                ),
-                {"now": now, "cut": now - stale_after_s},
-            )
-            .rowcount
-            or 0
-        )
+        return queries.requeue_stale_running(s, now=now, cut=now - stale_after_s)

@@ -21,13 +21,13 @@ import json
 import logging
 import secrets
 from collections.abc import Callable, Iterator
-from typing import Literal
 
-from sqlalchemy import text
 from sqlmodel import col, select
 
+from batch_jobs import queries
 from batch_jobs.files import FileStore, new_id
 from batch_jobs.models import BatchLine, BatchRecord, FileRecord
+from batch_jobs.queries import FinalKind
 from batch_jobs.results import error_line, output_line
 from batch_jobs.store import Store, line_counts
 from tidal.clock import Clock
@@ -36,17 +36,6 @@ __all__ = ["FinalKind", "finalize_batch", "release_stale_claims"]
 
 log = logging.getLogger(__name__)
 
-FinalKind = Literal["complete", "cancel", "expire"]
-
-_CLAIMS: dict[FinalKind, tuple[str, str]] = {
-    "complete": (
-        "completed",
-        """status = 'in_progress' AND NOT EXISTS
-           (SELECT 1 FROM tidal_batch_lines WHERE batch_id = :b AND state = 'pending')""",
-    ),
-    "cancel": ("cancelled", "status = 'cancelling'"),
-    "expire": ("expired", "status IN ('validating', 'in_progress') AND expires_at <= :nowi"),
-}
 _UNRUN = {
     "cancelled": ("batch_cancelled", "The batch was cancelled before this request ran."),
     "expired": ("batch_expired", "This request could not be executed before the completion window expired."),
@@ -56,21 +45,10 @@ AfterFinal = Callable[[BatchRecord], None]
 
 
 def _claim(store: Store, batch_id: str, kind: FinalKind, now: float) -> str | None:
-    final_status, condition = _CLAIMS[kind]
     token = secrets.token_hex(8)
-    set_finalizing = ", status = 'finalizing', finalizing_at = :nowi" if kind == "complete" else ""
-    stmt = text(
-        f"""UPDATE tidal_batches
-               SET final_claim = :t, final_claimed_at = :now, final_status = :fs{set_finalizing}
-             WHERE id = :b AND final_claim IS NULL AND {condition}"""
-    )
     with store.session() as s:
-        n = (
-            s.connection()
-            .execute(stmt, {"t": token, "now": now, "nowi": int(now), "fs": final_status, "b": batch_id})
-            .rowcount
-        )
-    return token if n == 1 else None
+        won = queries.claim_batch_final(s, batch_id=batch_id, kind=kind, token=token, now=now)
+    return token if won else None
 
 
 def finalize_batch(
@@ -97,13 +75,7 @@ def _write_final(
         final_status = batch.final_status or "completed"
         if final_status in _UNRUN:
             code, message = _UNRUN[final_status]
-            s.connection().execute(
-                text(
-                    "UPDATE tidal_batch_lines SET state = 'failed', error_json = :e "
-                    "WHERE batch_id = :b AND state = 'pending'"
-                ),
-                {"e": json.dumps({"code": code, "message": message}), "b": batch_id},
-            )
+            queries.fail_unrun_lines(s, batch_id, error_json=json.dumps({"code": code, "message": message}))
     counts_usage = _usage(store, batch_id)
     now = int(clock.now())
     output_id: str | None = None
@@ -131,10 +103,7 @@ def _write_final(
         row.finalizing_at = row.finalizing_at or now
         setattr(row, f"{final_status}_at", now)
         s.add(row)
-        s.connection().execute(
-            text("UPDATE tidal_batch_chunks SET state = 'done' WHERE batch_id = :b AND state <> 'dead'"),
-            {"b": batch_id},
-        )
+        queries.close_chunks(s, batch_id)
     log.info("batch %s %s: %d completed, %d failed", batch_id, final_status, counts.completed, counts.failed)
     if after_final is not None:
         after_final(row)
@@ -143,20 +112,7 @@ def _write_final(
 
 def _usage(store: Store, batch_id: str) -> tuple[int, int, dict[str, object]]:
     with store.session() as s:
-        row = (
-            s.connection()
-            .execute(
-                text(
-                    """SELECT SUM(CASE WHEN state = 'done' THEN 1 ELSE 0 END),
-                          SUM(CASE WHEN state = 'failed' THEN 1 ELSE 0 END),
-                          COALESCE(SUM(input_tokens), 0), COALESCE(SUM(output_tokens), 0),
-                          COALESCE(SUM(cached_tokens), 0)
-                     FROM tidal_batch_lines WHERE batch_id = :b"""
-                ),
-                {"b": batch_id},
-            )
-            .one()
-        )
+        row = queries.line_usage(s, batch_id)
     done, failed, inp, out, cached = (int(v or 0) for v in row)
     usage: dict[str, object] = {
         "input_tokens": inp,
@@ -221,32 +177,10 @@ def _discard(store: Store, files: FileStore, file_id: str) -> None:
 def _release(store: Store, batch_id: str, token: str) -> None:
     """Give up this finaliser's claim (only ours), back to ``in_progress`` where it was finalising."""
     with store.session() as s:
-        s.connection().execute(
-            text(
-                """UPDATE tidal_batches
-                      SET final_claim = NULL, final_claimed_at = NULL,
-                          status = CASE WHEN status = 'finalizing' THEN 'in_progress' ELSE status END
-                    WHERE id = :b AND final_claim = :t"""
-            ),
-            {"b": batch_id, "t": token},
-        )
+        queries.release_final_claim(s, batch_id, token=token)
 
 
 def release_stale_claims(store: Store, *, now: float, older_than_s: float = 120.0) -> int:
     """Let another finaliser retry when one died between its claim and the final status."""
     with store.session() as s:
-        return int(
-            s.connection()
-            .execute(
-                text(
-                    """UPDATE tidal_batches
-                          SET final_claim = NULL, final_claimed_at = NULL,
-                              status = CASE WHEN status = 'finalizing' THEN 'in_progress' ELSE status END
-                        WHERE final_claim IS NOT NULL AND final_claimed_at < :cut
-                          AND status NOT IN ('completed', 'failed', 'expired', 'cancelled')"""
-                ),
-                {"cut": now - older_than_s},
-            )
-            .rowcount
-            or 0
-        )
+        return queries.release_stale_final_claims(s, cut=now - older_than_s)

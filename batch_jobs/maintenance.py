@@ -16,8 +16,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sqlalchemy import text
+from sqlmodel import Session
 
+from batch_jobs import queries
 from batch_jobs.dispatch import (
     ChunkPublisher,
     WindowOf,
@@ -55,9 +56,9 @@ class BatchMaintenance:
         if self.publisher is not None and self.windows is None:
             raise ValueError("a maintenance sweep that publishes needs the tenants' windows")
 
-    def _ids(self, sql: str, **params: object) -> list[str]:
+    def _ids(self, query: Callable[[Session], list[str]]) -> list[str]:
         with self.store.session() as s:
-            return [r[0] for r in s.connection().execute(text(sql), params).all()]
+            return query(s)
 
     def _finalize(self, ids: list[str], kind: FinalKind) -> int:
         n = 0
@@ -76,25 +77,10 @@ class BatchMaintenance:
         report = {
             "released_claims": release_stale_claims(self.store, now=now),
             "expired": self._finalize(
-                self._ids(
-                    """SELECT id FROM tidal_batches WHERE status IN ('validating', 'in_progress')
-                        AND final_claim IS NULL AND expires_at <= :now""",
-                    now=int(now),
-                ),
-                "expire",
+                self._ids(lambda s: queries.overdue_batch_ids(s, now=int(now))), "expire"
             ),
-            "cancelled": self._finalize(
-                self._ids("SELECT id FROM tidal_batches WHERE status = 'cancelling' AND final_claim IS NULL"),
-                "cancel",
-            ),
-            "completed": self._finalize(
-                self._ids(
-                    """SELECT b.id FROM tidal_batches b WHERE b.status = 'in_progress' AND b.final_claim IS NULL
-                        AND NOT EXISTS (SELECT 1 FROM tidal_batch_lines l
-                                         WHERE l.batch_id = b.id AND l.state = 'pending')"""
-                ),
-                "complete",
-            ),
+            "cancelled": self._finalize(self._ids(queries.cancelling_batch_ids), "cancel"),
+            "completed": self._finalize(self._ids(queries.finished_batch_ids), "complete"),
         }
         if self.republish_stale_running_after_s is not None:
             report["requeued_stale"] = requeue_stale_running(

@@ -18,9 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, text
-from sqlmodel import Session
-
+from batch_jobs import queries
+from batch_jobs.queries import LineResultRow
 from batch_jobs.store import Store
 
 __all__ = ["LineResult", "error_line", "output_line", "record_results", "request_line_id"]
@@ -65,23 +64,11 @@ class LineResult:
         return cls(line_no, False, error={"code": code, "message": message[:1000]})
 
 
-_UPDATE = text(
-    """
-    UPDATE tidal_batch_lines
-       SET state = :state, status_code = :status_code, request_id = :request_id,
-           response_body = :response_body, error_json = :error_json,
-           input_tokens = :input_tokens, output_tokens = :output_tokens, cached_tokens = :cached_tokens
-     WHERE batch_id = :batch_id AND line_no = :line_no AND state = 'pending'
-       AND EXISTS (SELECT 1 FROM tidal_batches WHERE id = :batch_id AND final_claim IS NULL)
-    """
-).bindparams(bindparam("batch_id"))
-
-
 def record_results(store: Store, batch_id: str, results: list[LineResult]) -> int:
     """Write results for lines still pending; returns how many were recorded now."""
     if not results:
         return 0
-    params = [
+    params: list[LineResultRow] = [
         {
             "batch_id": batch_id,
             "line_no": r.line_no,
@@ -97,21 +84,9 @@ def record_results(store: Store, batch_id: str, results: list[LineResult]) -> in
         for r in results
     ]
     with store.session() as s:
-        if store.dialect == "postgresql" and not _share_lock(s, batch_id):
+        if store.dialect == "postgresql" and not queries.share_lock_open_batch(s, batch_id):
             return 0
-        written = 0
-        for p in params:
-            written += s.connection().execute(_UPDATE, p).rowcount or 0
-        return written
-
-
-def _share_lock(session: Session, batch_id: str) -> bool:
-    row = (
-        session.connection()
-        .execute(text("SELECT final_claim FROM tidal_batches WHERE id = :b FOR SHARE"), {"b": batch_id})
-        .first()
-    )
-    return row is not None and row[0] is None
+        return queries.write_line_results(s, params)
 
 
 def request_line_id(batch_id: str, custom_id: str) -> str:

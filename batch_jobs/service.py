@@ -16,10 +16,11 @@ import json
 from collections.abc import AsyncIterator, Iterable, Set
 from typing import Any, BinaryIO
 
-from sqlalchemy import bindparam, insert, text
+from sqlalchemy import insert
 from sqlmodel import Session, col, func, select
 
-from batch_jobs.dispatch import ChunkPublisher, lock_tenant, tenant_windows, top_up
+from batch_jobs import queries
+from batch_jobs.dispatch import ChunkPublisher, tenant_windows, top_up
 from batch_jobs.errors import Conflict, Forbidden, InvalidRequest, LimitExceeded, NotFound, TooLarge
 from batch_jobs.files import (
     FileStore,
@@ -223,9 +224,7 @@ class BatchService:
     def delete_file(self, tenant: str, file_id: str) -> None:
         f = self.get_file(tenant, file_id)
         with self.store.session() as s:
-            s.connection().execute(
-                text("DELETE FROM tidal_files WHERE id = :i AND tenant = :t"), {"i": f.id, "t": tenant}
-            )
+            queries.delete_file_record(s, file_id=f.id, tenant=tenant)
         self.files.delete(f.path)
 
     # -- batches ----------------------------------------------------------------------------------
@@ -339,7 +338,7 @@ class BatchService:
             total = self._insert_lines(s, batch, source)
             if limit is not None:
                 # Two submissions of the tenant racing: the second sees the first, or waits for it.
-                lock_tenant(s, tenant)
+                queries.lock_tenant(s, tenant)
                 self._check_queued(s, tenant, batch.id, total, limit)
             batch.total = total
             batch.status = "in_progress"
@@ -356,17 +355,7 @@ class BatchService:
     def _check_queued(self, s: Session, tenant: str, batch_id: str, lines: int, limit: int) -> None:
         """Refuse a batch of ``lines`` that would take ``tenant``'s unfinished batches past
         ``limit`` lines: at submission, never accepted and failed later."""
-        queued = int(
-            s.connection()
-            .execute(
-                text(
-                    """SELECT COALESCE(SUM(total), 0) FROM tidal_batches
-                        WHERE tenant = :t AND status IN :active AND id != :b"""
-                ).bindparams(bindparam("active", expanding=True)),
-                {"t": tenant, "active": sorted(BATCH_ACTIVE), "b": batch_id},
-            )
-            .scalar_one()
-        )
+        queued = queries.queued_lines(s, tenant, exclude_batch_id=batch_id)
         if queued + lines <= limit:
             return
         advice = (
@@ -409,12 +398,7 @@ class BatchService:
         if page:
             conn.execute(insert(BatchLine), page)
         chunks = []
-        line_nos = conn.execute(
-            text(
-                "SELECT chunk_no, MIN(line_no), MAX(line_no) FROM tidal_batch_lines WHERE batch_id = :b GROUP BY chunk_no"
-            ),
-            {"b": batch.id},
-        ).all()
+        line_nos = queries.chunk_spans(s, batch.id)
         for chunk_no, first, last in line_nos:
             chunks.append(
                 {
@@ -583,18 +567,7 @@ class BatchService:
         if b.status in ("cancelling", "cancelled"):
             return b
         with self.store.session() as s:
-            n = (
-                s.connection()
-                .execute(
-                    text(
-                        """UPDATE tidal_batches SET status = 'cancelling', cancelling_at = :now
-                        WHERE id = :b AND tenant = :t AND status IN ('validating', 'in_progress')
-                          AND final_claim IS NULL"""
-                    ),
-                    {"now": self._now(), "b": b.id, "t": tenant},
-                )
-                .rowcount
-            )
+            n = queries.mark_cancelling(s, batch_id=b.id, tenant=tenant, now=self._now())
         if n != 1:
             b = self.get_batch(tenant, batch_id)
             raise Conflict(f"Cannot cancel a batch with status {b.status!r}.", code="batch_not_cancellable")

@@ -36,6 +36,7 @@ __all__ = [
     "runtime_replicas",
     "set_lane_paused",
     "unregister_worker",
+    "worker_count",
     "worker_paused_lanes",
     "workers_of_lane",
 ]
@@ -172,7 +173,13 @@ def worker_paused_lanes(session: Session, hostnames: list[str]) -> dict[str, set
 
 
 def unregister_worker(session: Session, hostname: str) -> None:
+    """Remove this worker's row from the registry (it is stopping)."""
     session.execute(text("DELETE FROM tidal_workers WHERE hostname = :h"), {"h": hostname})
+
+
+def worker_count(session: Session) -> int:
+    """How many workers are registered, live or not (a worker registers before it consumes)."""
+    return int(session.connection().execute(text("SELECT COUNT(*) FROM tidal_workers")).scalar_one())
 
 
 def workers_of_lane(session: Session, lane: str, *, stale_after_s: float = 30.0) -> list[str]:

@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from sqlalchemy import text
 
+from batch_jobs import queries
 from batch_jobs.dispatch import CeleryChunkPublisher, producer_app, publish_pending
 from batch_jobs.files import file_store_from_settings
 from batch_jobs.maintenance import BatchMaintenance
@@ -310,15 +310,10 @@ def _dispatch(tier: _Tier, chunks: int, model: str) -> tuple[float, float]:
     # worker's whole job per chunk is to take it from RabbitMQ, claim it in the store and ack it.
     record_results(svc.store, batch.id, [LineResult.ok(n, "pre", "{}", None) for n in range(1, chunks + 1)])
     with svc.store.session() as s:
-        s.connection().execute(
-            text("UPDATE tidal_batches SET final_claim = 'bench' WHERE id = :b"), {"b": batch.id}
-        )
+        queries.hold_final_claim(s, batch.id)
         # Keep the maintenance sweeps (which publish chunks left pending) off them: the burst
         # below is what we time.
-        s.connection().execute(
-            text("UPDATE tidal_batch_chunks SET created_at = :later WHERE batch_id = :b"),
-            {"later": time.time() + 3600, "b": batch.id},
-        )
+        queries.defer_chunks(s, batch.id, created_at=time.time() + 3600)
     # Publish every chunk as one timed burst, as create_batch does, while the worker consumes.
     t0 = time.perf_counter()
     published = publish_pending(svc.store, svc.publisher, batch_id=batch.id, limit=chunks)
@@ -326,14 +321,7 @@ def _dispatch(tier: _Tier, chunks: int, model: str) -> tuple[float, float]:
 
     def delivered() -> int:
         with svc.store.session() as s:
-            return int(
-                s.connection()
-                .execute(
-                    text("SELECT COALESCE(SUM(deliveries), 0) FROM tidal_batch_chunks WHERE batch_id = :b"),
-                    {"b": batch.id},
-                )
-                .scalar_one()
-            )
+            return queries.chunk_deliveries(s, batch.id)
 
     # Each delivery is counted by the worker when it takes the chunk.
     _wait(lambda: delivered() >= chunks, 600, step=0.02)

@@ -72,14 +72,14 @@ from typing import Any
 
 import aiohttp
 import yaml
-from sqlalchemy import text
 
+from batch_jobs import queries
 from batch_jobs.dispatch import CeleryChunkPublisher, producer_app
 from batch_jobs.files import file_store_from_settings
 from batch_jobs.maintenance import BatchMaintenance
 from batch_jobs.models import BatchCreate
 from batch_jobs.service import BatchService
-from batch_jobs.store import Store
+from batch_jobs.store import Store, worker_count
 from priority.queues import Topology, declare_topology, delete_topology, is_amqp
 from priority.window import quantile
 from replicas.launcher import ReplicaProcess, free_port, sim_process
@@ -304,7 +304,7 @@ def _wait_worker(settings: Settings, worker: ReplicaProcess, timeout: float) -> 
             if not worker.running():
                 raise RuntimeError(f"the worker exited:\n{worker.log_tail()}")
             with contextlib.suppress(Exception), store.session() as s:
-                n = s.connection().execute(text("SELECT COUNT(*) FROM tidal_workers")).scalar_one()
+                n = worker_count(s)
                 if n:
                     break
             if time.monotonic() > deadline:
@@ -581,11 +581,7 @@ def _submit(service: BatchService, n: int, o: _Opts, tag: str) -> str:
 
 def _pending(service: BatchService) -> int:
     with service.store.session() as s:
-        return int(
-            s.connection()
-            .execute(text("SELECT COUNT(*) FROM tidal_batch_lines WHERE state = 'pending'"))
-            .scalar_one()
-        )
+        return queries.pending_line_count(s)
 
 
 def _lost(

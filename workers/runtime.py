@@ -41,9 +41,9 @@ from typing import Any
 
 import pika
 from celery.exceptions import Reject
-from sqlalchemy import text
 from sqlmodel import select
 
+from batch_jobs import queries
 from batch_jobs.dispatch import ChunkPublisher, top_up
 from batch_jobs.files import file_store_from_settings
 from batch_jobs.finalize import finalize_batch
@@ -398,11 +398,7 @@ class WorkerRuntime:
 
     def _batch_open(self, batch_id: str) -> bool:
         with self.store.session() as s:
-            row = (
-                s.connection()
-                .execute(text("SELECT status, final_claim FROM tidal_batches WHERE id = :b"), {"b": batch_id})
-                .first()
-            )
+            row = queries.batch_open_state(s, batch_id)
         return row is not None and row[0] == "in_progress" and row[1] is None
 
     # -- the chunk task -------------------------------------------------------------------------
@@ -421,24 +417,10 @@ class WorkerRuntime:
 
     def _begin(self, batch_id: str, chunk_no: int) -> tuple[Any, BatchRecord] | None:
         with self.store.session() as s:
-            s.connection().execute(
-                text(
-                    """UPDATE tidal_batch_chunks
-                          SET deliveries = deliveries + 1, state = 'running', worker = :w, heartbeat_at = :now
-                        WHERE batch_id = :b AND chunk_no = :c"""
-                ),
-                {"w": self.hostname, "now": time.time(), "b": batch_id, "c": chunk_no},
+            queries.begin_chunk(
+                s, batch_id=batch_id, chunk_no=chunk_no, worker=self.hostname, now=time.time()
             )
-            chunk = (
-                s.connection()
-                .execute(
-                    text(
-                        "SELECT deliveries, releases, queue_lane FROM tidal_batch_chunks WHERE batch_id = :b AND chunk_no = :c"
-                    ),
-                    {"b": batch_id, "c": chunk_no},
-                )
-                .first()
-            )
+            chunk = queries.chunk_delivery(s, batch_id=batch_id, chunk_no=chunk_no)
             batch = s.exec(select(BatchRecord).where(BatchRecord.id == batch_id)).first()
         if chunk is None or batch is None:
             return None
@@ -446,28 +428,12 @@ class WorkerRuntime:
 
     def _pending_lines(self, batch_id: str, chunk_no: int) -> list[PendingLine]:
         with self.store.session() as s:
-            rows = (
-                s.connection()
-                .execute(
-                    text(
-                        """SELECT line_no, custom_id, body FROM tidal_batch_lines
-                        WHERE batch_id = :b AND chunk_no = :c AND state = 'pending' ORDER BY line_no"""
-                    ),
-                    {"b": batch_id, "c": chunk_no},
-                )
-                .all()
-            )
+            rows = queries.pending_lines_of_chunk(s, batch_id=batch_id, chunk_no=chunk_no)
         return [PendingLine(r[0], r[1], r[2]) for r in rows]
 
     def _set_chunk(self, batch_id: str, chunk_no: int, state: str, *, released: bool = False) -> None:
-        extra = ", releases = releases + 1" if released else ""
         with self.store.session() as s:
-            s.connection().execute(
-                text(
-                    f"UPDATE tidal_batch_chunks SET state = :s{extra} WHERE batch_id = :b AND chunk_no = :c"
-                ),
-                {"s": state, "b": batch_id, "c": chunk_no},
-            )
+            queries.set_chunk_state(s, batch_id=batch_id, chunk_no=chunk_no, state=state, released=released)
 
     def _finalize(self, batch_id: str) -> None:
         finalize_batch(
@@ -640,9 +606,4 @@ class WorkerRuntime:
 
     def _heartbeat(self, batch_id: str, chunk_no: int) -> None:
         with self.store.session() as s:
-            s.connection().execute(
-                text(
-                    "UPDATE tidal_batch_chunks SET heartbeat_at = :now WHERE batch_id = :b AND chunk_no = :c"
-                ),
-                {"now": time.time(), "b": batch_id, "c": chunk_no},
-            )
+            queries.heartbeat_chunk(s, batch_id=batch_id, chunk_no=chunk_no, now=time.time())

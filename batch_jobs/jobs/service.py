@@ -18,9 +18,9 @@ import time
 from collections.abc import Set
 from typing import Any
 
-from sqlalchemy import text
 from sqlmodel import col, select
 
+from batch_jobs import queries
 from batch_jobs.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from batch_jobs.files import StoredFile, new_id
 from batch_jobs.jobs.base import Answer, Finished, JobContext, JobKind, JobOptions, Stage
@@ -186,16 +186,8 @@ class JobService:
             return
         token = secrets.token_hex(8)
         with self.store.session() as s:
-            won = (
-                s.connection()
-                .execute(
-                    text(
-                        """UPDATE tidal_jobs SET advance_claim = :t
-                        WHERE id = :j AND batch_id = :b AND status = 'in_progress' AND advance_claim IS NULL"""
-                    ),
-                    {"t": f"{token}@{time.time():.0f}", "j": batch.job_id, "b": batch.id},
-                )
-                .rowcount
+            won = queries.claim_job_advance(
+                s, job_id=batch.job_id, batch_id=batch.id, claim=f"{token}@{time.time():.0f}"
             )
         if won != 1:
             return
@@ -263,12 +255,7 @@ class JobService:
     def _answers(self, batch_id: str) -> dict[str, Answer]:
         out: dict[str, Answer] = {}
         with self.store.session() as s:
-            rows = s.connection().execute(
-                text(
-                    "SELECT custom_id, state, response_body, error_json FROM tidal_batch_lines WHERE batch_id = :b"
-                ),
-                {"b": batch_id},
-            )
+            rows = queries.batch_answers(s, batch_id)
             for cid, state, body, err in rows:
                 parsed = _loads(body)
                 message = None
@@ -282,16 +269,7 @@ class JobService:
         """Sweep step: jobs whose current batch is final but were never advanced (a crash)."""
         cutoff = time.time() - STALE_CLAIM_S
         with self.store.session() as s:
-            rows = (
-                s.connection()
-                .execute(
-                    text(
-                        """SELECT j.id, j.advance_claim, b.id FROM tidal_jobs j JOIN tidal_batches b ON b.id = j.batch_id
-                        WHERE j.status = 'in_progress' AND b.status IN ('completed', 'failed', 'expired', 'cancelled')"""
-                    )
-                )
-                .all()
-            )
+            rows = queries.stuck_jobs(s)
         n = 0
         for job_id, claim, batch_id in rows:
             if claim:
@@ -299,12 +277,7 @@ class JobService:
                 if claimed_at > cutoff:
                     continue
                 with self.store.session() as s:
-                    s.connection().execute(
-                        text(
-                            "UPDATE tidal_jobs SET advance_claim = NULL WHERE id = :j AND advance_claim = :c"
-                        ),
-                        {"j": job_id, "c": claim},
-                    )
+                    queries.release_job_claim(s, job_id=job_id, claim=claim)
             with self.store.session() as s:
                 batch = s.exec(select(BatchRecord).where(BatchRecord.id == batch_id)).one()
             self.after_final(batch)
