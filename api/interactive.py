@@ -228,12 +228,11 @@ class InteractiveService:
     def _model(self, name: str, tenant: str, path: str) -> tuple[str, str | None]:
         """The base model and adapter ``name`` stands for, when it can answer ``path`` (an
         embedding model serves ``/v1/embeddings`` alone, a generative one everything else)."""
-        models = self._models
-        spec, adapter = models.get(name), None
+        spec, adapter = self._models.get(name), None
         if spec is None:
             # An adapter bound to other tenants does not exist for this one: the same 404, no load.
             bound = self.fleet.adapter_for(name, tenant)
-            spec = models.get(bound.base_model) if bound is not None else None
+            spec = self._models.get(bound.base_model) if bound is not None else None
             if bound is None or spec is None:
                 raise APIError(
                     404,

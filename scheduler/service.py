@@ -168,7 +168,7 @@ def _template(pool: PoolSpec) -> LocalTemplate | None:
         served_model_name=pool.model,
         preset=r.launch.preset,
         model_dir=r.launch.model_dir,
-        args=tuple(r.launch.sim_args() if r.launch.kind == "sim" else r.launch.args),
+        args=tuple(r.launch.extra_args()),
         group=r.group,
         max_loras=r.max_loras,
         kv_events=r.kv_events is not None,

@@ -165,8 +165,9 @@ class LaunchSpec(_Strict):
             raise ValueError("accuracy needs an answer_key")
         return self
 
-    def sim_args(self) -> list[str]:
-        """The simulator's options this block sets besides ``preset`` (then ``args``)."""
+    def extra_args(self) -> list[str]:
+        """What the launched process gets besides its model and port: a simulated replica's
+        ``answer_key``/``accuracy`` as options, then ``args``."""
         out = ["--answer-key", self.answer_key] if self.answer_key else []
         out += ["--accuracy", f"{self.accuracy:g}"] if self.accuracy is not None else []
         return out + self.args

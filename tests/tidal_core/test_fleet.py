@@ -63,7 +63,7 @@ def test_files_a_fleet_names_by_relative_path_are_read_from_its_folder(tmp_path:
     fleet = load_fleet(tmp_path / "conf" / "fleet.yaml")
     want = str(tmp_path / "conf" / "eval.jsonl")
     launch = fleet.pools["interactive"].replicas[0].launch
-    assert launch is not None and launch.sim_args() == ["--answer-key", want, "--accuracy", "0.5"]
+    assert launch is not None and launch.extra_args() == ["--answer-key", want, "--accuracy", "0.5"]
     eval_spec = fleet.pools["interactive"].canary.eval if fleet.pools["interactive"].canary else None
     assert eval_spec is not None and eval_spec.dataset == want
 

@@ -192,10 +192,10 @@ def plan_parts(
         if launch.kind == "sim":
             args = ["--preset", launch.preset or "", "--port", str(rport), "--served-model-name", model]
             args += kv_events_args("sim", kv_events)
-            parts.append(Part(name, "sim", args + launch.sim_args(), rport, describe=describe))
+            parts.append(Part(name, "sim", args + launch.extra_args(), rport, describe=describe))
         else:
             args = ["--model", launch.model_dir or "", "--port", str(rport), "--served-model-name", model]
-            argv = ["vllm", *args, *kv_events_args("vllm", kv_events), *launch.args]
+            argv = ["vllm", *args, *kv_events_args("vllm", kv_events), *launch.extra_args()]
             parts.append(Part(name, "replica", argv, rport, describe=describe))
     common_env = {"TIDAL_DATA_DIR": str(data_dir), "TIDAL_DEV_API_KEY": api_key}
     admin_env = {**common_env, "TIDAL_ADMIN_KEY": admin_key or f"tidal-admin-{secrets.token_urlsafe(24)}"}
