@@ -34,12 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
-import re
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,9 +46,9 @@ import httpx
 import openai
 import yaml
 
-from bench.soak import ChatResult, chat_counts, chat_request, rss_growth, rss_of
-from priority.window import quantile
+from bench.soak import ChatResult, chat_counts, chat_request, rss_growth, rss_watch
 from replicas.launcher import free_port
+from replicas.wire.prom import Sample, parse_samples, sample_total
 from tidal.cli.platform import LocalPlatform, local_platform
 
 __all__ = ["run"]
@@ -251,27 +248,6 @@ async def _chat(
     return [(phase, await t) for phase, t in tasks]
 
 
-@contextlib.asynccontextmanager
-async def _watch(p: LocalPlatform, every_s: float) -> AsyncIterator[dict[str, list[tuple[float, int]]]]:
-    """RSS of the gateway, the worker and the scheduler, sampled every ``every_s``."""
-    samples: dict[str, list[tuple[float, int]]] = {}
-
-    async def watch() -> None:
-        pids = p.pids()
-        while True:
-            for part, pid in pids.items():
-                samples.setdefault(part, []).append((time.monotonic(), rss_of(pid)))
-            await asyncio.sleep(every_s)
-
-    task = asyncio.create_task(watch())
-    try:
-        yield samples
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 async def _settle(client: openai.AsyncOpenAI, tally: _Tally, drain_s: float, log: Any) -> None:
     """Wait for every batch and job to end (at most ``drain_s``), then read their answers."""
     deadline = time.monotonic() + drain_s
@@ -321,21 +297,7 @@ def _scrape(url: str) -> str:
     return ""
 
 
-def _metric_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M):
-        have = dict(kv.split("=", 1) for kv in re.findall(r'(\w+="[^"]*")', m.group(1)))
-        if all(have.get(k) == f'"{v}"' for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
 # -- the figures --------------------------------------------------------------------------------
-
-
-def _p(values: list[float], q: float) -> float | None:
-    v = [x for x in values if math.isfinite(x)]
-    return quantile(v, q) if v else None
 
 
 def _chat_row(phase: str, results: list[ChatResult]) -> dict[str, Any]:
@@ -350,7 +312,7 @@ async def _bench(p: LocalPlatform, o: dict[str, float], log: Any) -> dict[str, A
     async with (
         client,
         aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session,
-        _watch(p, max(1.0, seconds / 600)) as rss,
+        rss_watch(p.pids(), max(1.0, seconds / 600)) as rss,
     ):
         t0 = time.monotonic()
         until = t0 + seconds
@@ -362,7 +324,9 @@ async def _bench(p: LocalPlatform, o: dict[str, float], log: Any) -> dict[str, A
         )
         log(f"traffic done after {time.monotonic() - t0:.0f} s: {len(chat)} chat requests")
         await _settle(client, tally, o["drain_s"], log)
-    metrics = _scrape(f"{p.scheduler_url}/metrics")
+    metrics: list[Sample] = []
+    with contextlib.suppress(ValueError):  # a page cut short reads as no transitions
+        metrics = list(parse_samples(_scrape(f"{p.scheduler_url}/metrics")))
     outcomes_file = p.data_dir / "scheduler" / "canary-outcomes.json"
     outcome = (
         json.loads(outcomes_file.read_text())["pools"].get("interactive") if outcomes_file.exists() else None
@@ -392,8 +356,8 @@ async def _bench(p: LocalPlatform, o: dict[str, float], log: Any) -> dict[str, A
         "not_completed": [j for j in tally.jobs if j["status"] != "completed"],
     }
     gate = {
-        "pauses": _metric_sum(metrics, "tidal_gate_transitions_total", to="paused"),
-        "resumes": _metric_sum(metrics, "tidal_gate_transitions_total", to="open"),
+        "pauses": sample_total(metrics, "tidal_gate_transitions_total", to="paused"),
+        "resumes": sample_total(metrics, "tidal_gate_transitions_total", to="open"),
     }
     budget = WAIT_BUDGET_S + TTFT_SLO_S
     gw_rss = rss_rows.get("gateway", {}).get("ratio")

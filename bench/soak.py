@@ -37,7 +37,7 @@ import secrets
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,10 +143,6 @@ def _processes(tmp: Path, replicas: int) -> Iterator[_Setup]:
         yield _Setup(sims, gw, unbounded)
 
 
-def _rss(proc: ReplicaProcess) -> int:
-    return rss_of(proc.pid) if proc.pid else 0
-
-
 def rss_of(pid: int) -> int:
     """A process's resident memory in bytes (0 once it is gone)."""
     with contextlib.suppress(OSError):
@@ -244,13 +240,18 @@ async def _closed_loop(
 
 
 @contextlib.asynccontextmanager
-async def _rss_watch(proc: ReplicaProcess) -> AsyncIterator[list[tuple[float, int]]]:
-    samples: list[tuple[float, int]] = []
+async def rss_watch(
+    pids: Mapping[str, int | None], every_s: float = 0.5
+) -> AsyncIterator[dict[str, list[tuple[float, int]]]]:
+    """Each named process's RSS, sampled every ``every_s`` while the block runs: name ->
+    [(monotonic time, bytes)] (0 bytes once a process is gone)."""
+    samples: dict[str, list[tuple[float, int]]] = {name: [] for name in pids}
 
     async def watch() -> None:
         while True:
-            samples.append((time.monotonic(), _rss(proc)))
-            await asyncio.sleep(0.5)
+            for name, pid in pids.items():
+                samples[name].append((time.monotonic(), rss_of(pid) if pid else 0))
+            await asyncio.sleep(every_s)
 
     task = asyncio.create_task(watch())
     try:
@@ -393,15 +394,15 @@ async def _bench(
             ("10 x capacity", gw.url, gw, 10.0, seconds),
             ("10 x capacity, admission off", unbounded.url, unbounded, 10.0, short),
         ):
-            async with _rss_watch(proc) as rss:
+            async with rss_watch({name: proc.pid}) as rss:
                 results = await _open_loop(session, url, factor * capacity, secs)
-            phases.append(_phase(name, factor * capacity, results, rss))
+            phases.append(_phase(name, factor * capacity, results, rss[name]))
             log(f"{name}: {json.dumps({k: v for k, v in phases[-1].items() if k != 'phase'})}")
 
         # Abuse: slow clients and huge bodies beside normal traffic at half the capacity.
         stop = asyncio.Event()
         host, port = "127.0.0.1", gw.port
-        async with _rss_watch(gw) as rss:
+        async with rss_watch({"gateway": gw.pid}) as rss:
             loris = asyncio.create_task(_slowloris(host, port, slow_clients, stop))
             bodies = [asyncio.create_task(_big_bodies(session, gw.url, stop)) for _ in range(big_bodies)]
             await asyncio.sleep(2.0)  # the slow clients are connected
@@ -410,7 +411,10 @@ async def _bench(
             loris_out = await loris
             body_statuses = [s for t in bodies for s in await t]
         abuse = _phase(
-            "abuse: 0.5 x capacity beside slow clients and 64 MiB bodies", 0.5 * capacity, normal, rss
+            "abuse: 0.5 x capacity beside slow clients and 64 MiB bodies",
+            0.5 * capacity,
+            normal,
+            rss["gateway"],
         )
         abuse.update(loris_out)
         abuse["big_bodies_sent"] = len(body_statuses)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,8 +22,7 @@ import yaml
 from replicas.launcher import free_port
 from tests.batch_tier import chat_lines, require_rabbitmq, wait_for
 from tests.services import require_tool
-from tidal.cli.platform import LocalPlatform, local_platform
-from tidal.defaults import DEFAULT_FLEET_PATH
+from tidal.cli.platform import LocalPlatform, embedded_fleet, local_platform
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +31,8 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "tidal.json"
 
 
 def _fleet(tmp: Path) -> dict[str, int]:
-    """The embedded fleet on free ports, beside its eval set; returns the replicas' ports."""
-    text = DEFAULT_FLEET_PATH.read_text()
-    for old in sorted(set(re.findall(r"127\.0\.0\.1:(8[1-3]\d\d)\b", text))):
-        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{free_port()}")
-    data = yaml.safe_load(text)
+    """The embedded fleet on free ports, written to ``tmp``; returns the replicas' ports."""
+    data = embedded_fleet()
     # Two requests at a time per interactive replica: the traffic below queues, the gate pauses
     # batch, the rest overflows to the external provider; calm again, the gate reopens
     data["pools"]["interactive"].update(max_inflight_per_replica=2, min_inflight_per_replica=2)
@@ -52,7 +46,6 @@ def _fleet(tmp: Path) -> dict[str, int]:
         "decision_interval_s": 2.0,
     }
     (tmp / "fleet.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
-    shutil.copy(DEFAULT_FLEET_PATH.with_name("eval-set.jsonl"), tmp)
     ports = {
         r["name"]: int(r["url"].rsplit(":", 1)[1]) for p in data["pools"].values() for r in p["replicas"]
     }

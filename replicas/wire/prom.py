@@ -54,6 +54,7 @@ __all__ = [
     "gauge_family",
     "histogram_family",
     "parse_samples",
+    "sample_total",
     "sum_histograms",
     "summary_family",
 ]
@@ -108,6 +109,13 @@ def parse_samples(text: str) -> Iterator[Sample]:
     if samples is None:
         samples = _parse_reference(text)
     return iter(samples)
+
+
+def sample_total(samples: Iterable[Sample], name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` whose labels include ``labels`` (0 when none)."""
+    return sum(
+        s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def _parse_reference(text: str) -> list[Sample]:

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +15,10 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
 from replicas.launcher import free_port
+from tidal.cli.platform import embedded_fleet
 from tidal.cli.up import autoscaler_lines
 from tidal.defaults import DEFAULT_FLEET_PATH
 from tidal.fleet import load_fleet, parse_fleet
@@ -51,12 +52,8 @@ def test_the_autoscaler_line_gives_each_pools_capacity_once_the_scheduler_export
 
 @pytest.mark.slow
 def test_tidal_up_runs_the_autoscaler_and_prints_its_planned_capacity(tmp_path: Path) -> None:
-    # The embedded fleet, on free ports (the replicas' ports are fixed in it), beside its eval set
-    text = DEFAULT_FLEET_PATH.read_text()
-    for old in sorted(set(re.findall(r"127\.0\.0\.1:(8[1-3]\d\d)\b", text))):
-        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{free_port()}")
-    (tmp_path / "fleet.yaml").write_text(text)
-    shutil.copy(DEFAULT_FLEET_PATH.with_name("eval-set.jsonl"), tmp_path)
+    # The embedded fleet, on free ports (the replicas' ports are fixed in it)
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(embedded_fleet(), sort_keys=False))
     env = {**os.environ, "TIDAL_QUEUE_NAMESPACE": f"t{secrets.token_hex(5)}"}
     for var in ("TIDAL_DATABASE_URL", "TIDAL_FILES_DIR", "TIDAL_FLEET_CONFIG", "TIDAL_DATA_DIR"):
         env.pop(var, None)

@@ -23,15 +23,17 @@ import asyncio
 import contextlib
 import json
 import math
-import re
 import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from replicas.wire.prom import Sample
 
 __all__ = ["demo"]
 
@@ -69,21 +71,10 @@ class Plan:
 
 def _fleet(plan: Plan, ramp_at: datetime) -> dict[str, Any]:
     """The embedded fleet, on free ports, with each mechanism quick enough for the demo."""
-    import yaml
+    from tidal.cli.platform import embedded_fleet
 
-    from replicas.launcher import free_port
-    from tidal.defaults import DEFAULT_FLEET_PATH
-
-    text = DEFAULT_FLEET_PATH.read_text()
-    for old in sorted(set(re.findall(r"127\.0\.0\.1:(8[1-3]\d\d)\b", text))):
-        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{free_port()}")
-    data: dict[str, Any] = yaml.safe_load(text)
-    eval_set = str(DEFAULT_FLEET_PATH.with_name("eval-set.jsonl"))
+    data = embedded_fleet()
     interactive = data["pools"]["interactive"]
-    for r in interactive["replicas"]:
-        if "answer_key" in r.get("launch", {}):
-            r["launch"]["answer_key"] = eval_set
-    interactive["canary"]["eval"]["dataset"] = eval_set
     # Two requests at a time per replica: the spike queues at the gateway within a second.
     interactive.update(max_inflight_per_replica=2, min_inflight_per_replica=2)
     ramp_s = PHASES[1][1] * plan.seconds
@@ -113,23 +104,20 @@ def _fleet(plan: Plan, ramp_at: datetime) -> dict[str, Any]:
 # -- what the platform says ---------------------------------------------------------------------
 
 
-def _families(text: str) -> list[tuple[str, dict[str, str], float]]:
-    from prometheus_client.parser import text_string_to_metric_families
+def _samples(text: str) -> list[Sample]:
+    """A ``/metrics`` page's samples; none for a page that is missing or cut short."""
+    from replicas.wire.prom import parse_samples
 
-    out: list[tuple[str, dict[str, str], float]] = []
     with contextlib.suppress(ValueError):
-        for fam in text_string_to_metric_families(text):
-            out += [(s.name, s.labels, s.value) for s in fam.samples]
-    return out
+        return list(parse_samples(text))
+    return []
 
 
-def _sum(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
-    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in labels.items()))
+def _mean(samples: list[Sample], name: str, **labels: str) -> float | None:
+    from replicas.wire.prom import sample_total
 
-
-def _mean(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float | None:
-    count = _sum(samples, name + "_count", **labels)
-    return _sum(samples, name + "_sum", **labels) / count if count else None
+    count = sample_total(samples, name + "_count", **labels)
+    return sample_total(samples, name + "_sum", **labels) / count if count else None
 
 
 @dataclass
@@ -153,10 +141,12 @@ class Watch:
         self.events.append({"t_s": round(self.t(), 2), "kind": kind, "detail": detail})
 
     def observe(self, load: dict[str, Any], sched: str, gateway: str, worker: str) -> dict[str, Any]:
-        s_sched, s_gw, s_worker = _families(sched), _families(gateway), _families(worker)
+        from replicas.wire.prom import sample_total
+
+        s_sched, s_gw, s_worker = _samples(sched), _samples(gateway), _samples(worker)
         pool = (load.get("pools") or {}).get("interactive") or {}
         t = self.t()
-        lines = _sum(s_worker, "tidal_worker_lines_total")
+        lines = sample_total(s_worker, "tidal_worker_lines_total")
         prev = self._prev
         dt = t - prev["t_s"] if prev else 0.0
         sample = {
@@ -167,17 +157,19 @@ class Watch:
             "ttft_p95_s": pool.get("ttft_p95_s"),
             "queue_wait_p95_s": pool.get("queue_wait_p95_s"),
             "kv_usage": pool.get("kv_cache_usage_max"),
-            "gate_paused": _sum(s_sched, "tidal_gate_paused", pool="interactive"),
-            "replicas_desired": _sum(s_sched, "tidal_autoscaler_desired_replicas", pool="interactive"),
-            "replicas_ready": _sum(s_sched, "tidal_autoscaler_ready_replicas", pool="interactive"),
-            "canary_share": _sum(s_sched, "tidal_canary_share_ratio", group="canary"),
+            "gate_paused": sample_total(s_sched, "tidal_gate_paused", pool="interactive"),
+            "replicas_desired": sample_total(
+                s_sched, "tidal_autoscaler_desired_replicas", pool="interactive"
+            ),
+            "replicas_ready": sample_total(s_sched, "tidal_autoscaler_ready_replicas", pool="interactive"),
+            "canary_share": sample_total(s_sched, "tidal_canary_share_ratio", group="canary"),
             "batch_lines": lines,
             "batch_lines_per_s": max(0.0, lines - prev.get("batch_lines", lines)) / dt if dt > 0 else 0.0,
-            "overflowed": _sum(s_gw, "tidal_admission_outcomes_total", outcome="overflowed"),
-            "overflowed_regulated": _sum(
+            "overflowed": sample_total(s_gw, "tidal_admission_outcomes_total", outcome="overflowed"),
+            "overflowed_regulated": sample_total(
                 s_gw, "tidal_admission_outcomes_total", outcome="overflowed", feature="regulated-chat"
             ),
-            "refused_regulated": _sum(
+            "refused_regulated": sample_total(
                 s_gw, "tidal_admission_outcomes_total", outcome="rejected_429", feature="regulated-chat"
             ),
             # Pauses the lane confirmed, seconds on average (the scheduler's histogram)
@@ -208,7 +200,7 @@ class Watch:
                 detail = f"group {done['group']} rolled back on its {done['reason']}"
         return detail
 
-    def _changes(self, prev: dict[str, Any], now: dict[str, Any], sched: list[Any]) -> None:
+    def _changes(self, prev: dict[str, Any], now: dict[str, Any], sched: list[Sample]) -> None:
         if now["gate_paused"] > prev["gate_paused"]:
             self.event("gate_paused", f"batch paused on the shared interactive replicas ({self.phase})")
         elif now["gate_paused"] < prev["gate_paused"]:
@@ -222,10 +214,14 @@ class Watch:
         if now["replicas_ready"] > prev["replicas_ready"] > 0:
             self.event("replica_ready", f"interactive: {now['replicas_ready']:.0f} replicas ready")
         if not self._rolled_back_seen:
-            for name, labels, v in sched:
-                if name == "tidal_canary_outcomes_total" and labels.get("outcome") == "rolled_back" and v > 0:
+            for s in sched:
+                if (
+                    s.name == "tidal_canary_outcomes_total"
+                    and s.labels.get("outcome") == "rolled_back"
+                    and s.value
+                ):
                     self._rolled_back_seen = True
-                    self.event("canary_rolled_back", self._canary_detail(labels))
+                    self.event("canary_rolled_back", self._canary_detail(s.labels))
         if now["overflowed"] > prev["overflowed"] and self.t() - self._last_overflow_event >= 2.0:
             self._last_overflow_event = self.t()
             self.event(

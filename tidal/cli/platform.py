@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -19,8 +20,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LocalPlatform", "local_platform"]
+__all__ = ["LocalPlatform", "embedded_fleet", "local_platform"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,6 +63,32 @@ class LocalPlatform:
                     if any(m in cmd for m in marks):
                         out[part] = int(entry.name)
         return out
+
+
+def embedded_fleet() -> dict[str, Any]:
+    """The embedded fleet as data, to run a copy of it beside anything: every loopback port it
+    names (replicas, KV events, the provider's stand-in) moved to a free one, and the files it
+    names by relative path (the eval set) made absolute, so the copy can be written anywhere."""
+    import yaml
+
+    from replicas.launcher import free_port
+    from tidal.defaults import DEFAULT_FLEET_PATH
+
+    text = DEFAULT_FLEET_PATH.read_text()
+    for old in sorted(set(re.findall(r"127\.0\.0\.1:(8[1-3]\d\d)\b", text))):
+        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{free_port()}")
+    data: dict[str, Any] = yaml.safe_load(text)
+
+    def absolute(spec: dict[str, Any], key: str) -> None:
+        if spec.get(key):
+            spec[key] = str((DEFAULT_FLEET_PATH.parent / spec[key]).resolve())
+
+    for pool in data["pools"].values():
+        for replica in pool.get("replicas", []):
+            absolute(replica.get("launch") or {}, "answer_key")
+        absolute((pool.get("canary") or {}).get("eval") or {}, "dataset")
+    absolute((data.get("external_provider") or {}).get("launch") or {}, "answer_key")
+    return data
 
 
 @contextlib.contextmanager
