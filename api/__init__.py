@@ -1,6 +1,6 @@
 """The FastAPI gateway: app factory, one router module per resource, auth dependencies, the SSE
 proxy, OpenAI-shaped errors."""
 
-from api.app import create_app
+from tidal.api.app import create_app
 
 __all__ = ["create_app"]

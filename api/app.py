@@ -18,15 +18,15 @@ from fastapi import FastAPI
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.auth import KeyStore
-from api.batch_tier import install_batch_tier
-from api.errors import install_error_handlers
-from api.fastpath import FAST_ROUTES, InferenceEndpoint
-from api.interactive import InteractiveService
-from api.limits import BodyLimit, BodyTooLarge, body_too_large
-from api.routes import ROUTERS
-from api.state import GatewayState
 from tidal import __version__
+from tidal.api.auth import KeyStore
+from tidal.api.batch_tier import install_batch_tier
+from tidal.api.errors import install_error_handlers
+from tidal.api.fastpath import FAST_ROUTES, InferenceEndpoint
+from tidal.api.interactive import InteractiveService
+from tidal.api.limits import BodyLimit, BodyTooLarge, body_too_large
+from tidal.api.routes import ROUTERS
+from tidal.api.state import GatewayState
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from api.errors import APIError
+from tidal.api.errors import APIError
 from tidal.fleet import FleetConfig, hash_api_key
 
 __all__ = ["KeyStore", "Principal", "bearer_principal"]

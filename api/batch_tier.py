@@ -17,14 +17,14 @@ from collections.abc import Iterator
 
 from starlette.concurrency import run_in_threadpool
 
-from api.errors import APIError
-from api.state import GatewayState
-from batch_jobs.dispatch import CeleryChunkPublisher
-from batch_jobs.errors import BatchTierError
-from batch_jobs.jobs import JobService
-from batch_jobs.maintenance import BatchMaintenance
-from batch_jobs.service import BatchService
-from priority.queues import Topology, declare_topology, is_amqp
+from tidal.api.errors import APIError
+from tidal.api.state import GatewayState
+from tidal.batch_jobs.dispatch import CeleryChunkPublisher
+from tidal.batch_jobs.errors import BatchTierError
+from tidal.batch_jobs.jobs import JobService
+from tidal.batch_jobs.maintenance import BatchMaintenance
+from tidal.batch_jobs.service import BatchService
+from tidal.priority.queues import Topology, declare_topology, is_amqp
 
 __all__ = ["batch_errors", "install_batch_tier"]
 

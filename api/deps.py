@@ -15,12 +15,12 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from api.auth import Principal, bearer_principal
-from api.errors import APIError
-from api.interactive import InteractiveService
-from api.state import GatewayState
-from batch_jobs.jobs import JobService
-from batch_jobs.service import BatchService
+from tidal.api.auth import Principal, bearer_principal
+from tidal.api.errors import APIError
+from tidal.api.interactive import InteractiveService
+from tidal.api.state import GatewayState
+from tidal.batch_jobs.jobs import JobService
+from tidal.batch_jobs.service import BatchService
 
 __all__ = [
     "AdminDep",

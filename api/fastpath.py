@@ -34,12 +34,12 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.auth import bearer_principal
-from api.errors import APIError, error_body
-from api.limits import BodyTooLarge
-from api.proxy import ProxyResponse
-from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from api.state import GatewayState
+from tidal.api.auth import bearer_principal
+from tidal.api.errors import APIError, error_body
+from tidal.api.limits import BodyTooLarge
+from tidal.api.proxy import ProxyResponse
+from tidal.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from tidal.api.state import GatewayState
 
 __all__ = ["FAST_ROUTES", "InferenceEndpoint"]
 

@@ -24,18 +24,20 @@ from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client import CollectorRegistry
 
-from api.auth import Principal
-from api.errors import APIError
-from api.metrics import GatewayMetrics
-from api.proxy import Proxy, ProxyJob, ProxyResponse
-from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from api.shared_state import AdminFeed, build_shared_load
-from priority.admission import Admission, Outcome
-from priority.features import FEATURE_HEADER, PlanError, estimate_tokens, plan_request, resolve_feature
-from priority.quotas import LocalQuotas, RedisQuotas
-from replicas.client import ReplicaClient
-from router.adapters import AdapterManager
-from router.kv_events import (
+from tidal.api.auth import Principal
+from tidal.api.errors import APIError
+from tidal.api.metrics import GatewayMetrics
+from tidal.api.proxy import Proxy, ProxyJob, ProxyResponse
+from tidal.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from tidal.api.shared_state import AdminFeed, build_shared_load
+from tidal.clock import Clock, SystemClock, WallClock
+from tidal.fleet import FleetConfig, KVEventsSpec, QuotaSpec
+from tidal.priority.admission import Admission, Outcome
+from tidal.priority.features import FEATURE_HEADER, PlanError, estimate_tokens, plan_request, resolve_feature
+from tidal.priority.quotas import LocalQuotas, RedisQuotas
+from tidal.replicas.client import ReplicaClient
+from tidal.router.adapters import AdapterManager
+from tidal.router.kv_events import (
     KVEventsEndpoints,
     KVEventsTracker,
     PromptKeys,
@@ -43,13 +45,11 @@ from router.kv_events import (
     completion_prompt_keys,
     load_prompt_tokenizer,
 )
-from router.loader import build_router
-from router.prefix import chat_view, completion_prefix_key, text_blocks
-from router.registry import ReplicaRegistry, ReplicaState
-from router.scraper import MetricsScraper
-from router.types import RouteRequest
-from tidal.clock import Clock, SystemClock, WallClock
-from tidal.fleet import FleetConfig, KVEventsSpec, QuotaSpec
+from tidal.router.loader import build_router
+from tidal.router.prefix import chat_view, completion_prefix_key, text_blocks
+from tidal.router.registry import ReplicaRegistry, ReplicaState
+from tidal.router.scraper import MetricsScraper
+from tidal.router.types import RouteRequest
 from tidal.settings import Settings
 
 __all__ = ["SESSION_HEADER", "InteractiveService"]

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import APIError, error_body
+from tidal.api.errors import APIError, error_body
 
 __all__ = ["BodyLimit", "BodyTooLarge", "body_too_large"]
 

@@ -32,12 +32,12 @@ from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from priority.admission import Admission, Outcome
-from priority.window import SlidingWindow
-from replicas.wire.prom import LabelledHistogram
-from router.metrics import Children, RouterMetrics
-from router.registry import ReplicaRegistry
 from tidal.clock import Clock
+from tidal.priority.admission import Admission, Outcome
+from tidal.priority.window import SlidingWindow
+from tidal.replicas.wire.prom import LabelledHistogram
+from tidal.router.metrics import Children, RouterMetrics
+from tidal.router.registry import ReplicaRegistry
 
 __all__ = ["GatewayMetrics", "PoolWindows"]
 

@@ -38,29 +38,29 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from api.assemble import Assembler, assemblable, streamed_body
-from api.errors import error_body
-from api.metrics import GatewayMetrics
-from priority.admission import Admission, Decision, Outcome, Ticket, Verdict
-from priority.features import RequestPlan
-from priority.quotas import LocalQuotas, QuotaStore, QuotaUnavailable, QuotaVerdict, Reservation
-from replicas.client import ReplicaClient, UpstreamStream
-from replicas.errors import (
+from tidal.api.assemble import Assembler, assemblable, streamed_body
+from tidal.api.errors import error_body
+from tidal.api.metrics import GatewayMetrics
+from tidal.clock import Clock
+from tidal.fleet import QuotaSpec
+from tidal.logs import ACCESS, REQUEST_ID
+from tidal.priority.admission import Admission, Decision, Outcome, Ticket, Verdict
+from tidal.priority.features import RequestPlan
+from tidal.priority.quotas import LocalQuotas, QuotaStore, QuotaUnavailable, QuotaVerdict, Reservation
+from tidal.replicas.client import ReplicaClient, UpstreamStream
+from tidal.replicas.errors import (
     ReplicaError,
     ReplicaServerError,
     ReplicaStreamError,
     ReplicaUnavailable,
     error_from_status,
 )
-from replicas.wire.http1 import HeaderError
-from replicas.wire.sse import Event, SSEDecoder, SSEError
-from router.adapters import AdapterManager
-from router.framework import Router
-from router.registry import ReplicaRegistry, ReplicaState
-from router.types import RouteRequest
-from tidal.clock import Clock
-from tidal.fleet import QuotaSpec
-from tidal.logs import ACCESS, REQUEST_ID
+from tidal.replicas.wire.http1 import HeaderError
+from tidal.replicas.wire.sse import Event, SSEDecoder, SSEError
+from tidal.router.adapters import AdapterManager
+from tidal.router.framework import Router
+from tidal.router.registry import ReplicaRegistry, ReplicaState
+from tidal.router.types import RouteRequest
 
 __all__ = ["Proxy", "ProxyJob", "ProxyResponse", "UpstreamHandle"]
 

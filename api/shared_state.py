@@ -40,12 +40,12 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from priority.admission import Admission
-from router.redis_load import RedisLoadStore
-from router.registry import ReplicaRegistry
-from router.shared import SharedLoad
 from tidal.clock import Clock
 from tidal.fleet import FleetConfig
+from tidal.priority.admission import Admission
+from tidal.router.redis_load import RedisLoadStore
+from tidal.router.registry import ReplicaRegistry
+from tidal.router.shared import SharedLoad
 from tidal.settings import Settings
 
 __all__ = ["AdminFeed", "build_shared_load"]

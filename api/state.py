@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from api.auth import KeyStore
+from tidal.api.auth import KeyStore
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 
 if TYPE_CHECKING:
-    from api.interactive import InteractiveService
-    from batch_jobs.jobs import JobService
-    from batch_jobs.service import BatchService
+    from tidal.api.interactive import InteractiveService
+    from tidal.batch_jobs.jobs import JobService
+    from tidal.batch_jobs.service import BatchService
 
 __all__ = ["GatewayState", "LifecycleHook"]
 

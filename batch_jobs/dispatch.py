@@ -35,12 +35,12 @@ from typing import Any, NamedTuple, Protocol
 from celery import Celery
 from sqlmodel import Session
 
-from batch_jobs import queries
-from batch_jobs.queries import lock_tenant
-from batch_jobs.store import Store
-from priority.classes import Lane, rabbitmq_priority
-from priority.queues import CHUNK_TASK, Topology, celery_base_config, is_amqp
+from tidal.batch_jobs import queries
+from tidal.batch_jobs.queries import lock_tenant
+from tidal.batch_jobs.store import Store
 from tidal.fleet import FleetConfig
+from tidal.priority.classes import Lane, rabbitmq_priority
+from tidal.priority.queues import CHUNK_TASK, Topology, celery_base_config, is_amqp
 from tidal.settings import Settings
 
 __all__ = [

@@ -193,6 +193,6 @@ def file_store_from_settings(settings: Settings) -> FileStore:
     """The store ``TIDAL_FILES_URL`` names (PostgreSQL), else the local ``TIDAL_FILES_DIR``."""
     if settings.files_url is None:
         return LocalFileStore(settings.resolved_files_dir, max_bytes=settings.max_file_bytes)
-    from batch_jobs.files_postgres import PostgresFileStore
+    from tidal.batch_jobs.files_postgres import PostgresFileStore
 
     return PostgresFileStore(settings.files_url, max_bytes=settings.max_file_bytes)

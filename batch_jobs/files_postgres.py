@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 import psycopg
 from psycopg import IsolationLevel
 
-from batch_jobs.files import FileTooLarge, file_ref
+from tidal.batch_jobs.files import FileTooLarge, file_ref
 
 __all__ = ["PostgresFileStore"]
 

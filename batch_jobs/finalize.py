@@ -24,12 +24,12 @@ from collections.abc import Callable, Iterator
 
 from sqlmodel import col, select
 
-from batch_jobs import queries
-from batch_jobs.files import FileStore, new_id
-from batch_jobs.models import BatchLine, BatchRecord, FileRecord
-from batch_jobs.queries import FinalKind
-from batch_jobs.results import error_line, output_line
-from batch_jobs.store import Store, line_counts
+from tidal.batch_jobs import queries
+from tidal.batch_jobs.files import FileStore, new_id
+from tidal.batch_jobs.models import BatchLine, BatchRecord, FileRecord
+from tidal.batch_jobs.queries import FinalKind
+from tidal.batch_jobs.results import error_line, output_line
+from tidal.batch_jobs.store import Store, line_counts
 from tidal.clock import Clock
 
 __all__ = ["FinalKind", "finalize_batch", "release_stale_claims"]

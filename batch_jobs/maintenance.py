@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 
 from sqlmodel import Session
 
-from batch_jobs import queries
-from batch_jobs.dispatch import (
+from tidal.batch_jobs import queries
+from tidal.batch_jobs.dispatch import (
     ChunkPublisher,
     WindowOf,
     release_stale_publishing,
     requeue_stale_running,
     top_up,
 )
-from batch_jobs.files import FileStore
-from batch_jobs.finalize import AfterFinal, FinalKind, finalize_batch, release_stale_claims
-from batch_jobs.store import Store
+from tidal.batch_jobs.files import FileStore
+from tidal.batch_jobs.finalize import AfterFinal, FinalKind, finalize_batch, release_stale_claims
+from tidal.batch_jobs.store import Store
 from tidal.clock import Clock
 
 __all__ = ["BatchMaintenance"]

@@ -24,7 +24,7 @@ from typing import Any, Literal, TypeAlias, TypedDict
 from sqlalchemy import Row, bindparam, text
 from sqlmodel import Session
 
-from batch_jobs.models import BATCH_ACTIVE
+from tidal.batch_jobs.models import BATCH_ACTIVE
 
 AnyRow: TypeAlias = Row[*tuple[Any, ...]]
 """A row of a hand-written statement (its columns as the function's docstring lists them)."""

@@ -18,9 +18,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from batch_jobs import queries
-from batch_jobs.queries import LineResultRow
-from batch_jobs.store import Store
+from tidal.batch_jobs import queries
+from tidal.batch_jobs.queries import LineResultRow
+from tidal.batch_jobs.store import Store
 
 __all__ = ["LineResult", "error_line", "output_line", "record_results", "request_line_id"]
 

@@ -19,10 +19,10 @@ from typing import Any, BinaryIO
 from sqlalchemy import insert
 from sqlmodel import Session, col, func, select
 
-from batch_jobs import queries
-from batch_jobs.dispatch import ChunkPublisher, tenant_windows, top_up
-from batch_jobs.errors import Conflict, Forbidden, InvalidRequest, LimitExceeded, NotFound, TooLarge
-from batch_jobs.files import (
+from tidal.batch_jobs import queries
+from tidal.batch_jobs.dispatch import ChunkPublisher, tenant_windows, top_up
+from tidal.batch_jobs.errors import Conflict, Forbidden, InvalidRequest, LimitExceeded, NotFound, TooLarge
+from tidal.batch_jobs.files import (
     FileStore,
     FileTooLarge,
     Readable,
@@ -31,7 +31,7 @@ from batch_jobs.files import (
     new_id,
     safe_filename,
 )
-from batch_jobs.models import (
+from tidal.batch_jobs.models import (
     BATCH_ACTIVE,
     BATCH_TERMINAL,
     BatchChunk,
@@ -44,13 +44,13 @@ from batch_jobs.models import (
     ListPage,
     RequestCounts,
 )
-from batch_jobs.store import Store, line_counts
-from batch_jobs.validation import SUPPORTED_ENDPOINTS, iter_valid_lines, validate_batch_file
-from priority.classes import BATCH_PRIORITY_MAX, lane_pools
-from priority.features import PlanError, resolve_batch_feature
-from priority.queues import LANE_PREFERENCES, LANES, lane_for_preference
+from tidal.batch_jobs.store import Store, line_counts
+from tidal.batch_jobs.validation import SUPPORTED_ENDPOINTS, iter_valid_lines, validate_batch_file
 from tidal.clock import Clock, WallClock
 from tidal.fleet import FleetConfig, PoolSpec
+from tidal.priority.classes import BATCH_PRIORITY_MAX, lane_pools
+from tidal.priority.features import PlanError, resolve_batch_feature
+from tidal.priority.queues import LANE_PREFERENCES, LANES, lane_for_preference
 from tidal.settings import Settings
 
 __all__ = ["BATCH_PURPOSE", "DATASET_PURPOSES", "UPLOAD_PURPOSES", "BatchService"]

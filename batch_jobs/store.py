@@ -22,8 +22,8 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event, func, text
 from sqlmodel import Session, col, select
 
-from batch_jobs import migrations
-from batch_jobs.models import BatchLine, LaneState, RequestCounts, RuntimeReplica, WorkerRecord
+from tidal.batch_jobs import migrations
+from tidal.batch_jobs.models import BatchLine, LaneState, RequestCounts, RuntimeReplica, WorkerRecord
 
 __all__ = [
     "Store",

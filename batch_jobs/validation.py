@@ -16,8 +16,8 @@ from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 from typing import Any
 
-from batch_jobs.files import Readable
-from batch_jobs.models import BatchErrorItem
+from tidal.batch_jobs.files import Readable
+from tidal.batch_jobs.models import BatchErrorItem
 
 __all__ = [
     "MAX_CUSTOM_ID",

@@ -11,16 +11,16 @@ __all__ = ["BENCHMARKS"]
 
 # name -> "module:function"
 BENCHMARKS: dict[str, str] = {
-    "autoscale": "bench.autoscale:run",
-    "gate": "bench.gate:run",
-    "routing": "bench.routing:run",
-    "gateway": "bench.gateway:run",
-    "batch": "bench.batch:run",
-    "sim": "bench.sim:run",
-    "kv-keys": "bench.kv_keys:run",
-    "fairness": "bench.fairness:run",
-    "router-scale": "bench.router_scale:run",
-    "chaos": "bench.chaos:run",
-    "soak": "bench.soak:run",
-    "mixed-soak": "bench.mixed_soak:run",
+    "autoscale": "tidal.bench.autoscale:run",
+    "gate": "tidal.bench.gate:run",
+    "routing": "tidal.bench.routing:run",
+    "gateway": "tidal.bench.gateway:run",
+    "batch": "tidal.bench.batch:run",
+    "sim": "tidal.bench.sim:run",
+    "kv-keys": "tidal.bench.kv_keys:run",
+    "fairness": "tidal.bench.fairness:run",
+    "router-scale": "tidal.bench.router_scale:run",
+    "chaos": "tidal.bench.chaos:run",
+    "soak": "tidal.bench.soak:run",
+    "mixed-soak": "tidal.bench.mixed_soak:run",
 }

@@ -44,10 +44,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from bench.traces import TraceRequest, block_hashes, find_trace
-from replicas.sim.capacity import Slo, WorkloadRequest, replay
-from replicas.sim.presets import get_preset
-from scheduler.autoscaler import (
+from tidal.bench.traces import TraceRequest, block_hashes, find_trace
+from tidal.clock import ManualClock
+from tidal.fleet import AutoscalerSpec, GateSpec
+from tidal.replicas.sim.capacity import Slo, WorkloadRequest, replay
+from tidal.replicas.sim.presets import get_preset
+from tidal.scheduler.autoscaler import (
     Autoscaler,
     EventCalendar,
     Forecaster,
@@ -57,14 +59,12 @@ from scheduler.autoscaler import (
     StaticCapacity,
     make_policy,
 )
-from scheduler.autoscaler.history import read_history
-from scheduler.gate import BatchGate, GateSample, GateState
-from scheduler.metrics import SchedulerMetrics
-from scheduler.plan.capacity import measure as measure_at_slo
-from scheduler.plan.workload import Workload as RequestMix, load_workload
-from scheduler.signals import PoolLoad
-from tidal.clock import ManualClock
-from tidal.fleet import AutoscalerSpec, GateSpec
+from tidal.scheduler.autoscaler.history import read_history
+from tidal.scheduler.gate import BatchGate, GateSample, GateState
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.plan.capacity import measure as measure_at_slo
+from tidal.scheduler.plan.workload import Workload as RequestMix, load_workload
+from tidal.scheduler.signals import PoolLoad
 
 __all__ = [
     "FleetModel",
@@ -832,7 +832,7 @@ def run(
     if fleet_model not in ("sim", "analytic"):
         raise ValueError(f"--fleet-model must be sim or analytic, not {fleet_model!r}")
     # A week of decisions would log thousands of scale changes; the table says what matters.
-    logging.getLogger("scheduler").setLevel(logging.WARNING)
+    logging.getLogger("tidal.scheduler").setLevel(logging.WARNING)
     traces: list[tuple[str, Sequence[TraceRequest] | None]] = [("synthetic", None)]
     if str(trace) != "none":
         path = _find_trace(str(trace))

@@ -45,19 +45,19 @@ from typing import Any
 
 import yaml
 
-from batch_jobs import queries
-from batch_jobs.dispatch import CeleryChunkPublisher, producer_app, publish_pending
-from batch_jobs.files import file_store_from_settings
-from batch_jobs.maintenance import BatchMaintenance
-from batch_jobs.models import BatchCreate, BatchRecord
-from batch_jobs.results import LineResult, record_results
-from batch_jobs.service import BatchService
-from batch_jobs.store import Store
-from bench.traces import find_trace, load_trace
-from priority.queues import Topology, declare_topology, delete_topology, is_amqp
-from replicas.client import ReplicaClient
-from replicas.launcher import ReplicaProcess, sim_process
+from tidal.batch_jobs import queries
+from tidal.batch_jobs.dispatch import CeleryChunkPublisher, producer_app, publish_pending
+from tidal.batch_jobs.files import file_store_from_settings
+from tidal.batch_jobs.maintenance import BatchMaintenance
+from tidal.batch_jobs.models import BatchCreate, BatchRecord
+from tidal.batch_jobs.results import LineResult, record_results
+from tidal.batch_jobs.service import BatchService
+from tidal.batch_jobs.store import Store
+from tidal.bench.traces import find_trace, load_trace
 from tidal.fleet import parse_fleet
+from tidal.priority.queues import Topology, declare_topology, delete_topology, is_amqp
+from tidal.replicas.client import ReplicaClient
+from tidal.replicas.launcher import ReplicaProcess, sim_process
 from tidal.settings import DEFAULT_BROKER_URL, Settings
 
 __all__ = ["Workload", "load_workload", "run"]
@@ -376,7 +376,7 @@ def run(
         else:
             import importlib.util
 
-            if importlib.util.find_spec("replicas.sim") is None:
+            if importlib.util.find_spec("tidal.replicas.sim") is None:
                 raise SystemExit(
                     "tidal bench batch needs the simulated replica (replicas.sim, `tidal sim`); "
                     "or pass --replicas URL,URL to measure running replicas"

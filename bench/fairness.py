@@ -29,12 +29,12 @@ from typing import Any
 
 import click
 
-from bench.prompt_views import prepare_views
-from bench.routing import PRESET, VirtualGateway, bench_fleet
-from priority.window import quantile
-from replicas.sim.traces import TraceRequest
-from replicas.sim.virtual import VirtualCluster
+from tidal.bench.prompt_views import prepare_views
+from tidal.bench.routing import PRESET, VirtualGateway, bench_fleet
 from tidal.fleet import ClassSpec, FleetConfig, TenantSpec
+from tidal.priority.window import quantile
+from tidal.replicas.sim.traces import TraceRequest
+from tidal.replicas.sim.virtual import VirtualCluster
 
 __all__ = ["run"]
 

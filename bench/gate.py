@@ -73,25 +73,25 @@ from typing import Any
 import aiohttp
 import yaml
 
-from batch_jobs import queries
-from batch_jobs.dispatch import CeleryChunkPublisher, producer_app
-from batch_jobs.files import file_store_from_settings
-from batch_jobs.maintenance import BatchMaintenance
-from batch_jobs.models import BatchCreate
-from batch_jobs.service import BatchService
-from batch_jobs.store import Store, worker_count
-from priority.queues import Topology, declare_topology, delete_topology, is_amqp
-from priority.window import quantile
-from replicas.launcher import ReplicaProcess, free_port, sim_process
-from replicas.wire.prom import parse_samples
-from scheduler.gate import BatchGate, GateController, GateState, LaneAck, Transition
-from scheduler.gateway import GatewayAdmin
-from scheduler.lanes import SharedLane
-from scheduler.signals import LoadReport
+from tidal.batch_jobs import queries
+from tidal.batch_jobs.dispatch import CeleryChunkPublisher, producer_app
+from tidal.batch_jobs.files import file_store_from_settings
+from tidal.batch_jobs.maintenance import BatchMaintenance
+from tidal.batch_jobs.models import BatchCreate
+from tidal.batch_jobs.service import BatchService
+from tidal.batch_jobs.store import Store, worker_count
 from tidal.clock import WallClock
 from tidal.fleet import GateSpec, hash_api_key, parse_fleet
+from tidal.priority.queues import Topology, declare_topology, delete_topology, is_amqp
+from tidal.priority.window import quantile
+from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process
+from tidal.replicas.wire.prom import parse_samples
+from tidal.scheduler.gate import BatchGate, GateController, GateState, LaneAck, Transition
+from tidal.scheduler.gateway import GatewayAdmin
+from tidal.scheduler.lanes import SharedLane
+from tidal.scheduler.signals import LoadReport
 from tidal.settings import DEFAULT_BROKER_URL, Settings
-from workers.control import LaneSwitch
+from tidal.workers.control import LaneSwitch
 
 __all__ = ["run"]
 

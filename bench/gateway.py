@@ -65,11 +65,11 @@ import aiohttp
 import click
 import yaml
 
-from priority.window import quantile
-from replicas.launcher import ReplicaProcess, free_port, sim_process
-from replicas.wire.prom import parse_samples
-from replicas.wire.sse import SSEDecoder
 from tidal.fleet import hash_api_key
+from tidal.priority.window import quantile
+from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process
+from tidal.replicas.wire.prom import parse_samples
+from tidal.replicas.wire.sse import SSEDecoder
 
 __all__ = ["run"]
 

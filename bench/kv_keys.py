@@ -33,10 +33,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from replicas.sim.tokenizer import HFTokenizer, SimTokenizer, WordTokenizer
-from replicas.wire.kv_events import BlockHasher, BlockStored, KVEventBatch
-from router.kv_events import PromptTokenizer, ReplicaBlockIndex, chain_keys
-from router.prefix import render_messages, text_blocks
+from tidal.replicas.sim.tokenizer import HFTokenizer, SimTokenizer, WordTokenizer
+from tidal.replicas.wire.kv_events import BlockHasher, BlockStored, KVEventBatch
+from tidal.router.kv_events import PromptTokenizer, ReplicaBlockIndex, chain_keys
+from tidal.router.prefix import render_messages, text_blocks
 
 __all__ = ["run"]
 

@@ -46,10 +46,10 @@ import httpx
 import openai
 import yaml
 
-from bench.soak import ChatResult, chat_counts, chat_request, rss_growth, rss_watch
-from replicas.launcher import free_port
-from replicas.wire.prom import Sample, parse_samples, sample_total
+from tidal.bench.soak import ChatResult, chat_counts, chat_request, rss_growth, rss_watch
 from tidal.cli.platform import LocalPlatform, local_platform
+from tidal.replicas.launcher import free_port
+from tidal.replicas.wire.prom import Sample, parse_samples, sample_total
 
 __all__ = ["run"]
 

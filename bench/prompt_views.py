@@ -32,9 +32,9 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.traces import TraceRequest
-from priority.features import estimate_tokens
-from router.prefix import MAX_BLOCKS, chat_view
+from tidal.bench.traces import TraceRequest
+from tidal.priority.features import estimate_tokens
+from tidal.router.prefix import MAX_BLOCKS, chat_view
 
 __all__ = [
     "CHARS_PER_TOKEN",

@@ -64,21 +64,21 @@ from typing import Any
 import click
 from prometheus_client import CollectorRegistry
 
-from bench.routing import PRESET, bench_fleet
-from priority.features import estimate_tokens, plan_request
-from priority.window import quantile
-from replicas.metrics import LoadSnapshot
-from replicas.sim.presets import get_preset
-from router.framework import Producer, Router
-from router.loader import build_router
-from router.metrics import RouterMetrics
-from router.plugins.producers.kv_index import KVIndex
-from router.prefix import chat_prefix_key, render_messages, text_blocks
-from router.profiles import BUILTIN_PROFILES
-from router.registry import ReplicaRegistry, ReplicaState
-from router.types import CycleState, RouteRequest
+from tidal.bench.routing import PRESET, bench_fleet
 from tidal.clock import ManualClock
 from tidal.fleet import FleetConfig
+from tidal.priority.features import estimate_tokens, plan_request
+from tidal.priority.window import quantile
+from tidal.replicas.metrics import LoadSnapshot
+from tidal.replicas.sim.presets import get_preset
+from tidal.router.framework import Producer, Router
+from tidal.router.loader import build_router
+from tidal.router.metrics import RouterMetrics
+from tidal.router.plugins.producers.kv_index import KVIndex
+from tidal.router.prefix import chat_prefix_key, render_messages, text_blocks
+from tidal.router.profiles import BUILTIN_PROFILES
+from tidal.router.registry import ReplicaRegistry, ReplicaState
+from tidal.router.types import CycleState, RouteRequest
 
 __all__ = ["run"]
 

@@ -118,8 +118,8 @@ from typing import Any
 import click
 import msgspec
 
-from bench.prompt_views import RouteView, prepare_views
-from bench.traces import (
+from tidal.bench.prompt_views import RouteView, prepare_views
+from tidal.bench.traces import (
     TraceRequest,
     belady_hit_ratio,
     block_hashes,
@@ -129,11 +129,12 @@ from bench.traces import (
     load_trace,
     synthetic_workload,
 )
-from priority.admission import Admission, Decision, Ticket
-from priority.window import quantile
-from replicas.sim.presets import get_preset
-from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
-from replicas.wire.kv_events import (
+from tidal.fleet import FleetConfig, parse_fleet
+from tidal.priority.admission import Admission, Decision, Ticket
+from tidal.priority.window import quantile
+from tidal.replicas.sim.presets import get_preset
+from tidal.replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
+from tidal.replicas.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -141,13 +142,12 @@ from replicas.wire.kv_events import (
     KVEventBatch,
     external_hash,
 )
-from router.kv_events import PromptKeys, ReplicaBlockIndex
-from router.loader import build_router
-from router.profiles import BUILTIN_PROFILES, BUILTIN_ROUTER
-from router.registry import ReplicaRegistry, ReplicaState
-from router.shared import CapProposal, GatewayLoad, SharedCap, SharedLoad, SyncReply
-from router.types import RouteRequest
-from tidal.fleet import FleetConfig, parse_fleet
+from tidal.router.kv_events import PromptKeys, ReplicaBlockIndex
+from tidal.router.loader import build_router
+from tidal.router.profiles import BUILTIN_PROFILES, BUILTIN_ROUTER
+from tidal.router.registry import ReplicaRegistry, ReplicaState
+from tidal.router.shared import CapProposal, GatewayLoad, SharedCap, SharedLoad, SyncReply
+from tidal.router.types import RouteRequest
 
 __all__ = [
     "DEFAULT_TRACES",

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.traces import TraceRequest, block_hashes, ideal_hit_ratio, load_default
-from replicas.sim.presets import get_preset
-from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
+from tidal.bench.traces import TraceRequest, block_hashes, ideal_hit_ratio, load_default
+from tidal.replicas.sim.presets import get_preset
+from tidal.replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
 
 __all__ = ["replay", "run"]
 
@@ -192,7 +192,7 @@ def run(
         f"peak RSS {rows[-1]['peak_rss_mb']} MB"
     )
     if not no_realtime:
-        from bench.sim_realtime import realtime_check
+        from tidal.bench.sim_realtime import realtime_check
 
         rt = realtime_check(
             preset=str(realtime_preset),

@@ -17,9 +17,9 @@ from typing import Any
 
 import aiohttp
 
-from replicas.launcher import sim_process
-from replicas.wire.prom import parse_samples
-from replicas.wire.sse import SSEDecoder
+from tidal.replicas.launcher import sim_process
+from tidal.replicas.wire.prom import parse_samples
+from tidal.replicas.wire.sse import SSEDecoder
 
 __all__ = ["realtime_check"]
 

@@ -45,9 +45,9 @@ from typing import Any
 import aiohttp
 import yaml
 
-from priority.window import quantile
-from replicas.launcher import ReplicaProcess, free_port, sim_process
 from tidal.fleet import hash_api_key
+from tidal.priority.window import quantile
+from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process
 
 __all__ = ["run"]
 

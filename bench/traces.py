@@ -6,7 +6,7 @@ replays the same workloads; this module keeps the benchmarks' imports working.
 
 from __future__ import annotations
 
-from replicas.sim.traces import (
+from tidal.replicas.sim.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TraceRequest,
     belady_hit_ratio,

@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from priority.window import SlidingWindow
 from tidal.clock import Clock
+from tidal.priority.window import SlidingWindow
 
 __all__ = [
     "MIN_DRAIN_SAMPLES",

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 
-from priority.window import quantile
 from tidal.clock import Clock
+from tidal.priority.window import quantile
 
 __all__ = ["AdaptiveCap"]
 

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import pika
 from kombu.entity import Exchange, Queue
 
-from priority.classes import BATCH_PRIORITY_MAX, Lane
+from tidal.priority.classes import BATCH_PRIORITY_MAX, Lane
 
 __all__ = [
     "CHUNK_TASK",

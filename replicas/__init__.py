@@ -1,8 +1,8 @@
 """Everything about a replica: the HTTP client, ``/metrics`` parsing, the process launcher, the
 tiny-model builder for real vLLM on the CPU, and ``replicas.sim`` (the simulated replica)."""
 
-from replicas.client import ReplicaClient, UpstreamResponse, iter_sse_events
-from replicas.errors import (
+from tidal.replicas.client import ReplicaClient, UpstreamResponse, iter_sse_events
+from tidal.replicas.errors import (
     ReplicaError,
     ReplicaModelNotFound,
     ReplicaRequestError,
@@ -11,8 +11,8 @@ from replicas.errors import (
     ReplicaTimeout,
     ReplicaUnavailable,
 )
-from replicas.metrics import LoadSnapshot, parse_load_snapshot
-from replicas.wire.prom import Histogram
+from tidal.replicas.metrics import LoadSnapshot, parse_load_snapshot
+from tidal.replicas.wire.prom import Histogram
 
 __all__ = [
     "Histogram",

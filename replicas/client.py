@@ -24,16 +24,16 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 
-from replicas.errors import (
+from tidal.replicas.errors import (
     ReplicaError,
     ReplicaStreamError,
     ReplicaTimeout,
     ReplicaUnavailable,
     error_from_status,
 )
-from replicas.metrics import LoadSnapshot, parse_load_snapshot
-from replicas.wire.http1 import ConnectionPool, check_header
-from replicas.wire.sse import iter_data as iter_sse_events
+from tidal.replicas.metrics import LoadSnapshot, parse_load_snapshot
+from tidal.replicas.wire.http1 import ConnectionPool, check_header
+from tidal.replicas.wire.sse import iter_data as iter_sse_events
 
 __all__ = ["ReplicaClient", "Transport", "UpstreamResponse", "UpstreamStream", "iter_sse_events"]
 

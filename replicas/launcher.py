@@ -33,7 +33,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from replicas.wire.kv_events import KVEventsConfig, connect_address
+from tidal.replicas.wire.kv_events import KVEventsConfig, connect_address
 
 __all__ = [
     "ReplicaProcess",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replicas.wire.prom import Histogram, Sample, parse_samples, sum_histograms
+from tidal.replicas.wire.prom import Histogram, Sample, parse_samples, sum_histograms
 
 __all__ = ["LoadSnapshot", "parse_load_snapshot"]
 

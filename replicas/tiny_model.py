@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replicas.words import COMMON_WORDS
+from tidal.replicas.words import COMMON_WORDS
 
 __all__ = ["CHAT_TEMPLATE", "TinyModelSpec", "build_tiny_model"]
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 
-from replicas.client import ReplicaClient
-from replicas.errors import ReplicaError, ReplicaUnavailable
-from router.registry import ReplicaRegistry, ReplicaState
+from tidal.replicas.client import ReplicaClient
+from tidal.replicas.errors import ReplicaError, ReplicaUnavailable
+from tidal.router.registry import ReplicaRegistry, ReplicaState
 
 __all__ = ["AdapterManager", "AdapterUnavailable"]
 

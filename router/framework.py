@@ -34,9 +34,9 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
-from router.pool import CANDIDATES, Candidates, PoolCandidates, PoolIndex
-from router.types import CycleState, ReplicaView, RouteRequest, RouteResult
 from tidal.clock import Clock, SystemClock
+from tidal.router.pool import CANDIDATES, Candidates, PoolCandidates, PoolIndex
+from tidal.router.types import CycleState, ReplicaView, RouteRequest, RouteResult
 
 __all__ = [
     "Filter",

@@ -49,8 +49,15 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from replicas.sim.tokenizer import HFTokenizer, SegmentEncoder, SimTokenizer, WordTokenizer, flatten_messages
-from replicas.wire.kv_events import (
+from tidal.clock import Clock
+from tidal.replicas.sim.tokenizer import (
+    HFTokenizer,
+    SegmentEncoder,
+    SimTokenizer,
+    WordTokenizer,
+    flatten_messages,
+)
+from tidal.replicas.wire.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -60,7 +67,6 @@ from replicas.wire.kv_events import (
     SubscriberStats,
     external_hash,
 )
-from tidal.clock import Clock
 
 __all__ = [
     "ROOT_KEY",

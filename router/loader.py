@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from router.framework import Filter, Picker, Plugin, Producer, Profile, Router, RouterObserver, Scorer
-from router.plugins.base import PluginConfigError
-from router.plugins.filters.region import RegionFilter
-from router.plugins.register import REGISTRY
-from router.profiles import BUILTIN_ROUTER, DEFAULT_PROFILE
 from tidal.clock import Clock
 from tidal.fleet import RouterSpec
+from tidal.router.framework import Filter, Picker, Plugin, Producer, Profile, Router, RouterObserver, Scorer
+from tidal.router.plugins.base import PluginConfigError
+from tidal.router.plugins.filters.region import RegionFilter
+from tidal.router.plugins.register import REGISTRY
+from tidal.router.profiles import BUILTIN_ROUTER, DEFAULT_PROFILE
 
 __all__ = ["RouterConfigError", "build_router", "check_router"]
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from replicas.wire.prom import LabelledHistogram
-from router.types import RouteResult
+from tidal.replicas.wire.prom import LabelledHistogram
+from tidal.router.types import RouteResult
 
 __all__ = ["Children", "RouterMetrics"]
 

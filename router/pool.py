@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from sortedcontainers import SortedList
 
-from router.types import ReplicaView, StateKey
+from tidal.router.types import ReplicaView, StateKey
 
 if TYPE_CHECKING:
-    from router.registry import ReplicaState
+    from tidal.router.registry import ReplicaState
 
 __all__ = ["CANDIDATES", "Candidates", "PoolCandidates", "PoolIndex", "ViewCandidates"]
 

@@ -40,7 +40,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from router.shared import CapProposal, GatewayLoad, SharedCap, StoreUnavailable, SyncReply
+from tidal.router.shared import CapProposal, GatewayLoad, SharedCap, StoreUnavailable, SyncReply
 
 __all__ = ["RedisLoadStore", "new_gateway_id"]
 

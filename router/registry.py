@@ -27,15 +27,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from priority.capacity import AdaptiveCap
-from replicas.metrics import LoadSnapshot
-from router.pool import PoolIndex
-from router.types import ReplicaView
 from tidal.clock import Clock
 from tidal.fleet import FleetConfig, PoolSpec
+from tidal.priority.capacity import AdaptiveCap
+from tidal.replicas.metrics import LoadSnapshot
+from tidal.router.pool import PoolIndex
+from tidal.router.types import ReplicaView
 
 if TYPE_CHECKING:
-    from router.kv_events import ReplicaBlockIndex
+    from tidal.router.kv_events import ReplicaBlockIndex
 
 __all__ = ["Abortable", "ReplicaRegistry", "ReplicaState"]
 

@@ -20,10 +20,10 @@ import asyncio
 import contextlib
 import logging
 
-from replicas.client import ReplicaClient
-from replicas.errors import ReplicaError
-from router.registry import ReplicaRegistry, ReplicaState
 from tidal.clock import Clock
+from tidal.replicas.client import ReplicaClient
+from tidal.replicas.errors import ReplicaError
+from tidal.router.registry import ReplicaRegistry, ReplicaState
 
 __all__ = ["MetricsScraper"]
 

@@ -52,8 +52,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from router.registry import ReplicaRegistry
 from tidal.clock import Clock
+from tidal.router.registry import ReplicaRegistry
 
 __all__ = [
     "CapProposal",

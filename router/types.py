@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from replicas.metrics import LoadSnapshot
+from tidal.replicas.metrics import LoadSnapshot
 
 if TYPE_CHECKING:
-    from router.kv_events import ReplicaBlockIndex
     from tidal.clock import Clock
+    from tidal.router.kv_events import ReplicaBlockIndex
 
 __all__ = ["CycleState", "ReplicaView", "RouteRequest", "RouteResult", "StateKey"]
 

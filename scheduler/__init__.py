@@ -8,15 +8,15 @@ API and the batch tier, and the virtual-time benchmarks run the same objects.
 
 Example::
 
-    from scheduler import BatchGate, GateController
+    from tidal.scheduler import BatchGate, GateController
 
     gate = BatchGate("interactive", fleet.gate, clock=SystemClock())
     await GateController([gate], source=gateway_admin, lane=lanes, clock=SystemClock()).run()
 """
 
-from scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
-from scheduler.evals import EvalError, JobEvalRunner, ReplicaEvalRunner
-from scheduler.gate import (
+from tidal.scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
+from tidal.scheduler.evals import EvalError, JobEvalRunner, ReplicaEvalRunner
+from tidal.scheduler.gate import (
     BatchGate,
     GateController,
     GateSample,
@@ -25,10 +25,10 @@ from scheduler.gate import (
     LaneController,
     Transition,
 )
-from scheduler.gateway import GatewayAdmin, GatewayError
-from scheduler.health import CanaryGeneration, HealthEvent, HealthProber, Prober, ProbeResult
-from scheduler.metrics import SchedulerMetrics
-from scheduler.signals import GroupLoad, LoadReport, LoadSource, PoolLoad, ReplicaRegistry, ReplicaView
+from tidal.scheduler.gateway import GatewayAdmin, GatewayError
+from tidal.scheduler.health import CanaryGeneration, HealthEvent, HealthProber, Prober, ProbeResult
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.signals import GroupLoad, LoadReport, LoadSource, PoolLoad, ReplicaRegistry, ReplicaView
 
 __all__ = [
     "BatchGate",

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from scheduler.metrics import SchedulerMetrics
-from scheduler.signals import LoadSource, ReplicaRegistry, ReplicaView
 from tidal.clock import Clock
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.signals import LoadSource, ReplicaRegistry, ReplicaView
 
 __all__ = ["CanaryController", "CanarySpec", "CanaryState", "EvalRunner", "error_rate_worse", "group_weights"]
 

@@ -44,12 +44,12 @@ from urllib.parse import quote
 
 import aiohttp
 
-from batch_jobs.errors import InvalidRequest
-from batch_jobs.jobs.base import Answer, Finished, JobContext, Stage
-from batch_jobs.jobs.offline_eval import EvalOptions, OfflineEval
-from replicas.client import ReplicaClient
-from replicas.errors import ReplicaError
-from scheduler.signals import ReplicaView
+from tidal.batch_jobs.errors import InvalidRequest
+from tidal.batch_jobs.jobs.base import Answer, Finished, JobContext, Stage
+from tidal.batch_jobs.jobs.offline_eval import EvalOptions, OfflineEval
+from tidal.replicas.client import ReplicaClient
+from tidal.replicas.errors import ReplicaError
+from tidal.scheduler.signals import ReplicaView
 
 __all__ = ["EvalError", "JobEvalRunner", "ReplicaEvalRunner", "ReplicaListing"]
 

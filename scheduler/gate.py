@@ -42,10 +42,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from scheduler.metrics import SchedulerMetrics
-from scheduler.signals import LoadReport, LoadSource
 from tidal.clock import Clock
 from tidal.fleet import GateSpec
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.signals import LoadReport, LoadSource
 
 __all__ = [
     "BatchGate",

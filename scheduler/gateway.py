@@ -23,7 +23,7 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 
-from scheduler.signals import GroupLoad, LoadReport, PoolLoad, ReplicaView, SignalError
+from tidal.scheduler.signals import GroupLoad, LoadReport, PoolLoad, ReplicaView, SignalError
 
 __all__ = ["GatewayAdmin", "GatewayError", "merge_reports"]
 

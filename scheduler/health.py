@@ -29,12 +29,12 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from replicas.client import ReplicaClient
-from replicas.errors import ReplicaError
-from scheduler.autoscaler.actuators import Actuator
-from scheduler.metrics import SchedulerMetrics
-from scheduler.signals import ReplicaRegistry, ReplicaView
 from tidal.clock import Clock
+from tidal.replicas.client import ReplicaClient
+from tidal.replicas.errors import ReplicaError
+from tidal.scheduler.autoscaler.actuators import Actuator
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.signals import ReplicaRegistry, ReplicaView
 
 __all__ = ["CanaryGeneration", "HealthEvent", "HealthProber", "ProbeResult", "Prober"]
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from scheduler.gate import LaneAck
-from workers.control import PauseAck
+from tidal.scheduler.gate import LaneAck
+from tidal.workers.control import PauseAck
 
 __all__ = ["SharedLane", "Switch"]
 

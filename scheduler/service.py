@@ -53,7 +53,9 @@ from typing import Any, Literal, Protocol
 
 from prometheus_client import start_http_server
 
-from scheduler.autoscaler import (
+from tidal.clock import Clock
+from tidal.fleet import FleetConfig, KubernetesTargetSpec, PoolSpec
+from tidal.scheduler.autoscaler import (
     Actuator,
     Autoscaler,
     AutoscalerLoop,
@@ -72,14 +74,12 @@ from scheduler.autoscaler import (
     plan_capacity,
     pool_slo,
 )
-from scheduler.autoscaler.local import LocalProcessActuator, LocalTemplate
-from scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
-from scheduler.gate import BatchGate, GateController, GateState, LaneController
-from scheduler.health import CanaryGeneration, HealthProber
-from scheduler.metrics import SchedulerMetrics
-from scheduler.signals import LoadSource, PoolLoad, ReplicaRegistry
-from tidal.clock import Clock
-from tidal.fleet import FleetConfig, KubernetesTargetSpec, PoolSpec
+from tidal.scheduler.autoscaler.local import LocalProcessActuator, LocalTemplate
+from tidal.scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
+from tidal.scheduler.gate import BatchGate, GateController, GateState, LaneController
+from tidal.scheduler.health import CanaryGeneration, HealthProber
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.signals import LoadSource, PoolLoad, ReplicaRegistry
 from tidal.settings import Settings
 
 __all__ = [
@@ -385,7 +385,7 @@ class SchedulerService:
 
     def _eval_runner(self, pool: PoolSpec) -> EvalRunner | None:
         """The pool's ``canary.eval``: the eval job kind run straight against each group."""
-        from scheduler.evals import ReplicaEvalRunner
+        from tidal.scheduler.evals import ReplicaEvalRunner
 
         spec = pool.canary.eval if pool.canary is not None else None
         if spec is None:
@@ -408,8 +408,8 @@ class SchedulerService:
             raise SchedulerSetupError(f"pools.{pool.name}.canary.eval: {exc}") from None
 
     def _shared_lane(self) -> LaneController:
-        from scheduler.lanes import SharedLane
-        from workers.control import LaneSwitch
+        from tidal.scheduler.lanes import SharedLane
+        from tidal.workers.control import LaneSwitch
 
         switch = LaneSwitch(self.settings)
         self._closers.append(switch)
@@ -436,7 +436,7 @@ class SchedulerService:
             out.update(dict.fromkeys(local, actuator))
         k8s = [n for n, k in kinds.items() if k == "kubernetes"]
         if k8s:
-            from scheduler.autoscaler.k8s import KubernetesActuator
+            from tidal.scheduler.autoscaler.k8s import KubernetesActuator
 
             targets: dict[str, KubernetesTargetSpec] = {}
             for n in k8s:

@@ -257,8 +257,8 @@ class BatchTier:
         """A TestClient for the gateway (enter it to run the lifespan: the maintenance loop)."""
         from fastapi.testclient import TestClient
 
-        from api.app import create_app
-        from api.auth import KeyStore, Principal
+        from tidal.api.app import create_app
+        from tidal.api.auth import KeyStore, Principal
         from tidal.fleet import parse_fleet
 
         store = KeyStore()
@@ -271,7 +271,7 @@ class BatchTier:
         for w in self.workers:
             w.stop()
         if self.broker_url.startswith("amqp"):
-            from priority.queues import Topology, delete_topology
+            from tidal.priority.queues import Topology, delete_topology
 
             with contextlib.suppress(Exception):
                 delete_topology(self.broker_url, Topology(self.namespace))
@@ -281,7 +281,7 @@ class BatchTier:
 def running_tier(root: Path, database_url: str, fleet: dict[str, Any], **kw: Any) -> Iterator[BatchTier]:
     """A :class:`BatchTier` with its fleet written and its queues declared on RabbitMQ; its
     workers stopped and its queues deleted on exit."""
-    from priority.queues import Topology, declare_topology
+    from tidal.priority.queues import Topology, declare_topology
 
     t = BatchTier(root=root, database_url=database_url, fleet=fleet, **kw)
     t.write_fleet()

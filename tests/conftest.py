@@ -28,7 +28,7 @@ def tiny_model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with two LoRA adapters, built once per session (cached across runs)."""
     require_module("vllm", "install the `vllm` extra: scripts/setup")
     cache = Path(os.environ.get("TIDAL_TEST_CACHE", Path.home() / ".cache" / "tidal-tests")) / "tiny"
-    from replicas.tiny_model import build_tiny_model
+    from tidal.replicas.tiny_model import build_tiny_model
 
     build_tiny_model(cache, adapters=2)
     return cache
@@ -52,7 +52,7 @@ class VLLMFactory:
         env: dict[str, str] | None = None,
         kv_events: bool = False,
     ) -> list:  # type: ignore[type-arg]
-        from replicas.launcher import vllm_process
+        from tidal.replicas.launcher import vllm_process
 
         procs = []
         for _ in range(count):

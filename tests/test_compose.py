@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from replicas.wire.kv_events import KVEventsConfig
 from tidal.fleet import FleetConfig, FleetConfigError, load_fleet, parse_fleet
+from tidal.replicas.wire.kv_events import KVEventsConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # The fleet each replica profile of the compose stack runs with (TIDAL_COMPOSE_FLEET).

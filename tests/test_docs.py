@@ -20,7 +20,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from bench import BENCHMARKS
+from tidal.bench import BENCHMARKS
 from tidal.cli import cli
 from tidal.cli.bench import bench_options
 

@@ -19,10 +19,10 @@ import openai
 import pytest
 import yaml
 
-from replicas.launcher import free_port
 from tests.batch_tier import chat_lines, require_rabbitmq, wait_for
 from tests.services import require_tool
 from tidal.cli.platform import LocalPlatform, embedded_fleet, local_platform
+from tidal.replicas.launcher import free_port
 
 pytestmark = pytest.mark.slow
 

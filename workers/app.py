@@ -24,10 +24,10 @@ from typing import Any
 
 from celery import Celery, signals
 
-from batch_jobs.dispatch import producer_app
-from priority.queues import CHUNK_TASK, Topology, celery_base_config
+from tidal.batch_jobs.dispatch import producer_app
+from tidal.priority.queues import CHUNK_TASK, Topology, celery_base_config
 from tidal.settings import Settings
-from workers.runtime import WorkerRuntime
+from tidal.workers.runtime import WorkerRuntime
 
 __all__ = ["control_app", "make_worker_app", "worker_settings"]
 

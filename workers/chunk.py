@@ -28,10 +28,10 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from batch_jobs.results import LineResult
-from replicas.client import ReplicaClient
-from replicas.errors import ReplicaError, ReplicaUnavailable, error_from_status
-from workers.middleware import Attempt, ChunkMiddleware, OutgoingRequest, emit_after, emit_before
+from tidal.batch_jobs.results import LineResult
+from tidal.replicas.client import ReplicaClient
+from tidal.replicas.errors import ReplicaError, ReplicaUnavailable, error_from_status
+from tidal.workers.middleware import Attempt, ChunkMiddleware, OutgoingRequest, emit_after, emit_before
 
 __all__ = [
     "ChunkContext",

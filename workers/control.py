@@ -28,10 +28,10 @@ from typing import Any
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-from batch_jobs.store import Store, set_lane_paused, worker_paused_lanes, workers_of_lane
-from priority.queues import Topology, is_amqp, publish_lane_control
+from tidal.batch_jobs.store import Store, set_lane_paused, worker_paused_lanes, workers_of_lane
+from tidal.priority.queues import Topology, is_amqp, publish_lane_control
 from tidal.settings import Settings
-from workers.runtime import governed_queues, lane_of_hostname
+from tidal.workers.runtime import governed_queues, lane_of_hostname
 
 __all__ = ["LaneSwitch", "PauseAck", "discover_workers", "pause_lane", "resume_lane"]
 
@@ -164,7 +164,7 @@ class LaneSwitch:
     """
 
     def __init__(self, settings: Settings, *, store: Store | None = None, app: Celery | None = None) -> None:
-        from workers.app import control_app
+        from tidal.workers.app import control_app
 
         self.settings = settings
         self.topology = Topology(settings.queue_namespace)
@@ -214,7 +214,7 @@ class LaneSwitch:
             time.sleep(0.1)
 
     def _reconnect(self) -> None:
-        from workers.app import control_app
+        from tidal.workers.app import control_app
 
         if self.app is not None:
             self.app.close()

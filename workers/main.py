@@ -11,12 +11,12 @@ import logging
 
 from prometheus_client import start_http_server
 
-from batch_jobs.dispatch import CeleryChunkPublisher
-from priority.queues import Topology, declare_topology, is_amqp
+from tidal.batch_jobs.dispatch import CeleryChunkPublisher
 from tidal.fleet import FleetConfig
+from tidal.priority.queues import Topology, declare_topology, is_amqp
 from tidal.settings import Settings
-from workers.app import make_worker_app
-from workers.runtime import WorkerRuntime
+from tidal.workers.app import make_worker_app
+from tidal.workers.runtime import WorkerRuntime
 
 __all__ = ["run_worker"]
 

@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from priority.classes import vllm_priority
-from replicas.errors import ReplicaError
 from tidal.logs import ACCESS
+from tidal.priority.classes import vllm_priority
+from tidal.replicas.errors import ReplicaError
 
 if TYPE_CHECKING:
-    from workers.chunk import ChunkContext, ChunkOutcome
+    from tidal.workers.chunk import ChunkContext, ChunkOutcome
 
 __all__ = [
     "AccessLog",

@@ -43,24 +43,24 @@ import pika
 from celery.exceptions import Reject
 from sqlmodel import select
 
-from batch_jobs import queries
-from batch_jobs.dispatch import ChunkPublisher, top_up
-from batch_jobs.files import file_store_from_settings
-from batch_jobs.finalize import finalize_batch
-from batch_jobs.jobs import JobService
-from batch_jobs.maintenance import BatchMaintenance
-from batch_jobs.models import BatchRecord
-from batch_jobs.results import LineResult, record_results
-from batch_jobs.service import BatchService
-from batch_jobs.store import Store, lane_states, register_worker, runtime_replicas, unregister_worker
-from priority.classes import Lane, lane_pools
-from priority.queues import LANES, Topology, is_amqp, parse_lane_control, pika_parameters
-from replicas.client import ReplicaClient
+from tidal.batch_jobs import queries
+from tidal.batch_jobs.dispatch import ChunkPublisher, top_up
+from tidal.batch_jobs.files import file_store_from_settings
+from tidal.batch_jobs.finalize import finalize_batch
+from tidal.batch_jobs.jobs import JobService
+from tidal.batch_jobs.maintenance import BatchMaintenance
+from tidal.batch_jobs.models import BatchRecord
+from tidal.batch_jobs.results import LineResult, record_results
+from tidal.batch_jobs.service import BatchService
+from tidal.batch_jobs.store import Store, lane_states, register_worker, runtime_replicas, unregister_worker
 from tidal.clock import WallClock
 from tidal.fleet import FleetConfig, PoolSpec, ReplicaSpec
+from tidal.priority.classes import Lane, lane_pools
+from tidal.priority.queues import LANES, Topology, is_amqp, parse_lane_control, pika_parameters
+from tidal.replicas.client import ReplicaClient
 from tidal.settings import Settings
-from workers.chunk import ChunkExecutor, ChunkOutcome, ChunkWork, PendingLine, ReplicaSet, ReplicaSlot
-from workers.middleware import (
+from tidal.workers.chunk import ChunkExecutor, ChunkOutcome, ChunkWork, PendingLine, ReplicaSet, ReplicaSlot
+from tidal.workers.middleware import (
     AccessLog,
     BatchClosed,
     ChunkMiddleware,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.routes import admin, batches, chat, completions, embeddings, files, health, jobs, models
+from tidal.api.routes import admin, batches, chat, completions, embeddings, files, health, jobs, models
 
 __all__ = ["ROUTERS"]
 

@@ -36,9 +36,9 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, UrlConstraints
 from sqlmodel import Session
 
-from api.deps import AdminDep, InteractiveDep, StateDep
-from api.state import GatewayState
-from batch_jobs.store import delete_runtime_replica, put_runtime_replica
+from tidal.api.deps import AdminDep, InteractiveDep, StateDep
+from tidal.api.state import GatewayState
+from tidal.batch_jobs.store import delete_runtime_replica, put_runtime_replica
 from tidal.fleet import KVEventsSpec
 
 __all__ = ["router"]

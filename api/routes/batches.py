@@ -18,9 +18,9 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
 
-from api.batch_tier import batch_errors
-from api.deps import BatchDep, PrincipalDep
-from batch_jobs.models import BatchCreate, BatchPublic, ListPage
+from tidal.api.batch_tier import batch_errors
+from tidal.api.deps import BatchDep, PrincipalDep
+from tidal.batch_jobs.models import BatchCreate, BatchPublic, ListPage
 
 __all__ = ["router"]
 

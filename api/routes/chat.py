@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from api.deps import InteractiveDep, PrincipalDep
-from api.routes.openai_docs import PROXY_RESPONSES
-from api.schemas import ChatCompletionRequest
+from tidal.api.deps import InteractiveDep, PrincipalDep
+from tidal.api.routes.openai_docs import PROXY_RESPONSES
+from tidal.api.schemas import ChatCompletionRequest
 
 __all__ = ["router"]
 

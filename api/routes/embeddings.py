@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from api.deps import InteractiveDep, PrincipalDep
-from api.routes.openai_docs import PROXY_RESPONSES
-from api.schemas import EmbeddingRequest
+from tidal.api.deps import InteractiveDep, PrincipalDep
+from tidal.api.routes.openai_docs import PROXY_RESPONSES
+from tidal.api.schemas import EmbeddingRequest
 
 __all__ = ["router"]
 

@@ -18,10 +18,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from api.batch_tier import batch_errors
-from api.deps import BatchDep, PrincipalDep
-from api.errors import APIError
-from batch_jobs.models import FilePublic, ListPage
+from tidal.api.batch_tier import batch_errors
+from tidal.api.deps import BatchDep, PrincipalDep
+from tidal.api.errors import APIError
+from tidal.batch_jobs.models import FilePublic, ListPage
 
 __all__ = ["router"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.deps import StateDep
+from tidal.api.deps import StateDep
 
 __all__ = ["router"]
 

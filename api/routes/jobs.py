@@ -13,9 +13,9 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
 
-from api.batch_tier import batch_errors
-from api.deps import JobsDep, PrincipalDep
-from batch_jobs.models import JobCreate, JobPublic, ListPage
+from tidal.api.batch_tier import batch_errors
+from tidal.api.deps import JobsDep, PrincipalDep
+from tidal.batch_jobs.models import JobCreate, JobPublic, ListPage
 
 __all__ = ["router"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import PrincipalDep, StateDep
-from api.errors import APIError
-from api.schemas import ModelCard, ModelList
+from tidal.api.deps import PrincipalDep, StateDep
+from tidal.api.errors import APIError
+from tidal.api.schemas import ModelCard, ModelList
 
 __all__ = ["router"]
 

@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batch_jobs.errors import InvalidRequest
-from batch_jobs.files import Readable
+from tidal.batch_jobs.errors import InvalidRequest
+from tidal.batch_jobs.files import Readable
 
 __all__ = [
     "Answer",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
-from batch_jobs.jobs.base import (
+from tidal.batch_jobs.jobs.base import (
     Answer,
     Finished,
     JobContext,

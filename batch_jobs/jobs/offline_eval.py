@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from batch_jobs.errors import InvalidRequest
-from batch_jobs.jobs.base import (
+from tidal.batch_jobs.errors import InvalidRequest
+from tidal.batch_jobs.jobs.base import (
     Answer,
     Finished,
     JobContext,
@@ -31,7 +31,13 @@ from batch_jobs.jobs.base import (
     Stage,
     read_dataset,
 )
-from batch_jobs.jobs.scoring import JUDGE_PROMPT, compile_pattern, judge_verdict, score_item, wilson_interval
+from tidal.batch_jobs.jobs.scoring import (
+    JUDGE_PROMPT,
+    compile_pattern,
+    judge_verdict,
+    score_item,
+    wilson_interval,
+)
 
 __all__ = ["EvalOptions", "OfflineEval"]
 

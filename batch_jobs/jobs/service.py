@@ -20,14 +20,14 @@ from typing import Any
 
 from sqlmodel import col, select
 
-from batch_jobs import queries
-from batch_jobs.errors import Conflict, Forbidden, InvalidRequest, NotFound
-from batch_jobs.files import StoredFile, new_id
-from batch_jobs.jobs.base import Answer, Finished, JobContext, JobKind, JobOptions, Stage
-from batch_jobs.jobs.embedding_backfill import EmbeddingBackfill
-from batch_jobs.jobs.offline_eval import OfflineEval
-from batch_jobs.jobs.summaries import SummariesKind
-from batch_jobs.models import (
+from tidal.batch_jobs import queries
+from tidal.batch_jobs.errors import Conflict, Forbidden, InvalidRequest, NotFound
+from tidal.batch_jobs.files import StoredFile, new_id
+from tidal.batch_jobs.jobs.base import Answer, Finished, JobContext, JobKind, JobOptions, Stage
+from tidal.batch_jobs.jobs.embedding_backfill import EmbeddingBackfill
+from tidal.batch_jobs.jobs.offline_eval import OfflineEval
+from tidal.batch_jobs.jobs.summaries import SummariesKind
+from tidal.batch_jobs.models import (
     BATCH_TERMINAL,
     BatchCreate,
     BatchRecord,
@@ -36,7 +36,7 @@ from batch_jobs.models import (
     JobRecord,
     ListPage,
 )
-from batch_jobs.service import DATASET_PURPOSES, BatchService
+from tidal.batch_jobs.service import DATASET_PURPOSES, BatchService
 from tidal.fleet import EMBEDDINGS_ENDPOINT
 
 __all__ = ["KINDS", "JobService"]

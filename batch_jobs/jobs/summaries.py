@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from batch_jobs.errors import InvalidRequest
-from batch_jobs.jobs.base import (
+from tidal.batch_jobs.errors import InvalidRequest
+from tidal.batch_jobs.jobs.base import (
     Answer,
     Finished,
     JobContext,

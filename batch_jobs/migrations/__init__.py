@@ -9,7 +9,7 @@ A new revision, after changing a table in ``batch_jobs.models``::
 
     from alembic import command
     from sqlalchemy import create_engine
-    from batch_jobs.migrations import alembic_config
+    from tidal.batch_jobs.migrations import alembic_config
 
     with create_engine("sqlite:////tmp/scratch.db").begin() as conn:
         command.upgrade(alembic_config(conn), "head")
@@ -27,7 +27,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Engine, inspect, text
 from sqlmodel import SQLModel
 
-import batch_jobs.models  # noqa: F401  (registers the tables in SQLModel.metadata)
+import tidal.batch_jobs.models  # noqa: F401  (registers the tables in SQLModel.metadata)
 
 __all__ = [
     "BASELINE",

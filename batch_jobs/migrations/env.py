@@ -8,7 +8,7 @@ from alembic import context
 from sqlalchemy import Connection
 from sqlmodel import SQLModel
 
-from batch_jobs.migrations import VERSION_TABLE, include_name  # also registers the models' tables
+from tidal.batch_jobs.migrations import VERSION_TABLE, include_name  # also registers the models' tables
 
 
 def _run(connection: Connection) -> None:

@@ -27,11 +27,11 @@ For each shape -- Llama-3.1-8B in BF16 and Llama-3.1-70B with FP8 weights, both 
 
 Run it on a machine with one H200 and vLLM installed (GPU build)::
 
-    python -m bench.device.calibrate_h200                  # both shapes, ~15 minutes
-    python -m bench.device.calibrate_h200 --shapes 8b --quick
-    python -m bench.device.calibrate_h200 --dry-run        # write the model dirs, print the vLLM
+    python -m tidal.bench.device.calibrate_h200                  # both shapes, ~15 minutes
+    python -m tidal.bench.device.calibrate_h200 --shapes 8b --quick
+    python -m tidal.bench.device.calibrate_h200 --dry-run        # write the model dirs, print the vLLM
                                                             # commands and the simulated figures
-    python -m bench.device.calibrate_h200 --target http://127.0.0.1:8000 --shapes 8b
+    python -m tidal.bench.device.calibrate_h200 --target http://127.0.0.1:8000 --shapes 8b
                                                             # points against a running server
 """
 
@@ -56,10 +56,10 @@ from typing import Any
 
 import aiohttp
 
-from replicas.sim.calibrate import sharegpt_lengths
-from replicas.sim.cost import ModelSpec
-from replicas.sim.presets import Preset, get_preset
-from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
+from tidal.replicas.sim.calibrate import sharegpt_lengths
+from tidal.replicas.sim.cost import ModelSpec
+from tidal.replicas.sim.presets import Preset, get_preset
+from tidal.replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
 
 __all__ = [
     "SHAPES",

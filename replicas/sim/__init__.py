@@ -6,9 +6,9 @@
 * ``calibrate`` -- the published points the cost model is checked against.
 """
 
-from replicas.sim.engine import EngineConfig, SimEngine
-from replicas.sim.presets import PRESETS, Preset, get_preset
-from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
+from tidal.replicas.sim.engine import EngineConfig, SimEngine
+from tidal.replicas.sim.presets import PRESETS, Preset, get_preset
+from tidal.replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
 
 __all__ = [
     "PRESETS",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from replicas.wire.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
+from tidal.replicas.wire.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 __all__ = ["BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
 

@@ -14,7 +14,7 @@ replica: scheduling, chunked prefill, KV capacity, preemption) and compares one 
 ShareGPT lengths are not published per run; every ShareGPT point uses the same deterministic
 sample (log-normal, means 202 prompt / 179 output tokens as vLLM's v0.6 blog reports, filtered
 as vLLM's benchmark filters ShareGPT). The efficiency constants of ``cost.py`` were fitted once
-to all points together (``python -m replicas.sim.calibrate --fit``); no constant is per point.
+to all points together (``python -m tidal.replicas.sim.calibrate --fit``); no constant is per point.
 
 Example::
 
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from replicas.sim.cost import (
+from tidal.replicas.sim.cost import (
     H100,
     H200,
     LLAMA_3_1_8B,
@@ -42,8 +42,8 @@ from replicas.sim.cost import (
     Efficiency,
     ModelSpec,
 )
-from replicas.sim.presets import Preset
-from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
+from tidal.replicas.sim.presets import Preset
+from tidal.replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
 
 __all__ = ["CalibrationRow", "Hardware", "run_calibration"]
 
@@ -93,7 +93,7 @@ class CalibrationRow:
 
 
 def _lognormal_quantiles(n: int, mean: float, sigma: float) -> list[float]:
-    from replicas.sim.tokenizer import _norm_ppf
+    from tidal.replicas.sim.tokenizer import _norm_ppf
 
     mu = math.log(mean) - sigma * sigma / 2
     return [math.exp(mu + sigma * _norm_ppf((i + 0.5) / n)) for i in range(n)]

@@ -25,8 +25,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from replicas.sim.presets import Preset, get_preset
-from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
+from tidal.replicas.sim.presets import Preset, get_preset
+from tidal.replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
 
 __all__ = [
     "CapacityError",

@@ -120,7 +120,7 @@ class Device:
 class Efficiency:
     """The constants fitted once, shared by all GPU presets (see calibrate.py).
 
-    Fitted with ``python -m replicas.sim.calibrate --fit`` (Nelder-Mead on the squared log
+    Fitted with ``python -m tidal.replicas.sim.calibrate --fit`` (Nelder-Mead on the squared log
     error of every calibration point that is not a documented exception), then rounded.
     """
 

@@ -30,14 +30,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 
-from replicas.metrics import LoadSnapshot
-from replicas.sim.block_pool import BlockPool
-from replicas.sim.kv_cache_manager import KVCacheManager
-from replicas.sim.presets import Preset, get_preset
-from replicas.sim.request import Request, RequestStatus
-from replicas.sim.scheduler import Policy, Scheduler, SchedulerConfig, SchedulerOutput
-from replicas.wire.kv_events import BlockHasher, KVCacheEvent
-from replicas.wire.prom import Histogram, counter_family, gauge_family, histogram_family
+from tidal.replicas.metrics import LoadSnapshot
+from tidal.replicas.sim.block_pool import BlockPool
+from tidal.replicas.sim.kv_cache_manager import KVCacheManager
+from tidal.replicas.sim.presets import Preset, get_preset
+from tidal.replicas.sim.request import Request, RequestStatus
+from tidal.replicas.sim.scheduler import Policy, Scheduler, SchedulerConfig, SchedulerOutput
+from tidal.replicas.wire.kv_events import BlockHasher, KVCacheEvent
+from tidal.replicas.wire.prom import Histogram, counter_family, gauge_family, histogram_family
 
 __all__ = ["EngineConfig", "LoRAAdapter", "SimEngine", "StepOutput"]
 

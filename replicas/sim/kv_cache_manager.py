@@ -27,9 +27,9 @@ ints), the parent's, their token ids, the block size and the LoRA adapter. A tra
 
 from __future__ import annotations
 
-from replicas.sim.block_pool import BlockPool, KVCacheBlock
-from replicas.sim.request import Request, RequestStatus
-from replicas.wire.kv_events import MEDIUM_GPU, BlockHasher, BlockStored, external_hash
+from tidal.replicas.sim.block_pool import BlockPool, KVCacheBlock
+from tidal.replicas.sim.request import Request, RequestStatus
+from tidal.replicas.wire.kv_events import MEDIUM_GPU, BlockHasher, BlockStored, external_hash
 
 __all__ = ["KVCacheManager"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from replicas.sim.cost import (
+from tidal.replicas.sim.cost import (
     CPU_TINY,
     E5_MISTRAL_7B,
     FAST_TEST_DEVICE,

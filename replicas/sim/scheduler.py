@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from replicas.sim.kv_cache_manager import KVCacheManager
-from replicas.sim.request import Request, RequestStatus
+from tidal.replicas.sim.kv_cache_manager import KVCacheManager
+from tidal.replicas.sim.request import Request, RequestStatus
 
 __all__ = [
     "FCFSRequestQueue",

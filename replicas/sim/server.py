@@ -49,9 +49,10 @@ from prometheus_client import (
 from prometheus_client.core import Metric
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from replicas.sim.engine import SimEngine, StepOutput
-from replicas.sim.request import Request, RequestStatus
-from replicas.sim.tokenizer import (
+from tidal.logs import ACCESS, uvicorn_log_config
+from tidal.replicas.sim.engine import SimEngine, StepOutput
+from tidal.replicas.sim.request import Request, RequestStatus
+from tidal.replicas.sim.tokenizer import (
     AnswerKey,
     SimTokenizer,
     TextModel,
@@ -59,9 +60,8 @@ from replicas.sim.tokenizer import (
     load_tokenizer,
     stable_hash,
 )
-from replicas.wire.kv_events import HASH_ALGOS, KVEventPublisher, KVEventsConfig
-from replicas.wire.prom import Histogram, counter_family, gauge_family, histogram_family, summary_family
-from tidal.logs import ACCESS, uvicorn_log_config
+from tidal.replicas.wire.kv_events import HASH_ALGOS, KVEventPublisher, KVEventsConfig
+from tidal.replicas.wire.prom import Histogram, counter_family, gauge_family, histogram_family, summary_family
 
 __all__ = ["ServerConfig", "SimServer", "serve"]
 

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from replicas.words import COMMON_WORDS
+from tidal.replicas.words import COMMON_WORDS
 
 __all__ = [
     "AnswerKey",

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from replicas.words import COMMON_WORDS
+from tidal.replicas.words import COMMON_WORDS
 
 __all__ = [
     "TraceRequest",

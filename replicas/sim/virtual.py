@@ -8,7 +8,7 @@ Results are exactly those of stepping one step at a time (``fast_forward=False``
 
 Example::
 
-    from replicas.sim.virtual import VirtualCluster, SimRequest
+    from tidal.replicas.sim.virtual import VirtualCluster, SimRequest
 
     cluster = VirtualCluster(preset="llama-3.1-70b-fp8-h200-tp4", replicas=8, seed=0)
     done = []
@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from replicas.sim.engine import SimEngine, StepOutput
-from replicas.sim.presets import Preset
-from replicas.sim.request import Request, RequestStatus
+from tidal.replicas.sim.engine import SimEngine, StepOutput
+from tidal.replicas.sim.presets import Preset
+from tidal.replicas.sim.request import Request, RequestStatus
 
 __all__ = ["SimRequest", "SimResult", "VirtualCluster"]
 

@@ -52,7 +52,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from replicas.errors import ReplicaStreamError, ReplicaTimeout, ReplicaUnavailable
+from tidal.replicas.errors import ReplicaStreamError, ReplicaTimeout, ReplicaUnavailable
 
 __all__ = ["ConnectionPool", "HeaderError", "LeanResponse", "check_header"]
 

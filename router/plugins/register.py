@@ -8,30 +8,30 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from router.framework import Plugin
-from router.plugins.filters.adapter import AdapterFilter
-from router.plugins.filters.canary import CanaryFilter
-from router.plugins.filters.capacity import CapacityFilter
-from router.plugins.filters.healthy import HealthyFilter
-from router.plugins.filters.model import ModelFilter
-from router.plugins.filters.region import RegionFilter
-from router.plugins.pickers.max_score import MaxScorePicker
-from router.plugins.pickers.power_of_two import PowerOfTwoPicker
-from router.plugins.pickers.random_pick import RandomPicker
-from router.plugins.pickers.round_robin import RoundRobinPicker
-from router.plugins.producers.block_index import ApproxPrefixIndex, RadixTree
-from router.plugins.producers.kv_index import KVIndex
-from router.plugins.producers.rings import PrefixRing, SessionRing
-from router.plugins.scorers.cache_aware import CacheAwareScorer
-from router.plugins.scorers.kv_cache import KVCacheUtilizationScorer
-from router.plugins.scorers.least_inflight import LeastInflightScorer
-from router.plugins.scorers.load import LoadScorer
-from router.plugins.scorers.lora_affinity import LoraAffinityScorer
-from router.plugins.scorers.prefill_cost import PrefillCostScorer
-from router.plugins.scorers.prefix_affinity import PrefixAffinityScorer
-from router.plugins.scorers.prefix_cache import PrefixCacheScorer
-from router.plugins.scorers.queue import QueueScorer
-from router.plugins.scorers.session_affinity import SessionAffinityScorer
+from tidal.router.framework import Plugin
+from tidal.router.plugins.filters.adapter import AdapterFilter
+from tidal.router.plugins.filters.canary import CanaryFilter
+from tidal.router.plugins.filters.capacity import CapacityFilter
+from tidal.router.plugins.filters.healthy import HealthyFilter
+from tidal.router.plugins.filters.model import ModelFilter
+from tidal.router.plugins.filters.region import RegionFilter
+from tidal.router.plugins.pickers.max_score import MaxScorePicker
+from tidal.router.plugins.pickers.power_of_two import PowerOfTwoPicker
+from tidal.router.plugins.pickers.random_pick import RandomPicker
+from tidal.router.plugins.pickers.round_robin import RoundRobinPicker
+from tidal.router.plugins.producers.block_index import ApproxPrefixIndex, RadixTree
+from tidal.router.plugins.producers.kv_index import KVIndex
+from tidal.router.plugins.producers.rings import PrefixRing, SessionRing
+from tidal.router.plugins.scorers.cache_aware import CacheAwareScorer
+from tidal.router.plugins.scorers.kv_cache import KVCacheUtilizationScorer
+from tidal.router.plugins.scorers.least_inflight import LeastInflightScorer
+from tidal.router.plugins.scorers.load import LoadScorer
+from tidal.router.plugins.scorers.lora_affinity import LoraAffinityScorer
+from tidal.router.plugins.scorers.prefill_cost import PrefillCostScorer
+from tidal.router.plugins.scorers.prefix_affinity import PrefixAffinityScorer
+from tidal.router.plugins.scorers.prefix_cache import PrefixCacheScorer
+from tidal.router.plugins.scorers.queue import QueueScorer
+from tidal.router.plugins.scorers.session_affinity import SessionAffinityScorer
 
 __all__ = ["REGISTRY", "PluginFactory", "register"]
 

@@ -3,7 +3,7 @@ signals; fast up, slow down (only in troughs); actuators behind one interface.
 
 Example::
 
-    from scheduler.autoscaler import Autoscaler, Forecaster, GaugeActuator, HourOfWeekProfile, make_policy
+    from tidal.scheduler.autoscaler import Autoscaler, Forecaster, GaugeActuator, HourOfWeekProfile, make_policy
 
     scaler = Autoscaler("interactive", pool.autoscale, make_policy("tidal"), capacity=capacity,
                         actuator=GaugeActuator(), forecaster=Forecaster(HourOfWeekProfile()), clock=clock)
@@ -12,8 +12,8 @@ The local-process and Kubernetes actuators live in ``scheduler.autoscaler.local`
 ``scheduler.autoscaler.k8s`` (the latter needs the ``k8s`` extra).
 """
 
-from scheduler.autoscaler.actuators import Actuator, GaugeActuator, PoolReplicas
-from scheduler.autoscaler.capacity import (
+from tidal.scheduler.autoscaler.actuators import Actuator, GaugeActuator, PoolReplicas
+from tidal.scheduler.autoscaler.capacity import (
     CapacityPlan,
     LearnsCapacity,
     OnlineCapacity,
@@ -23,14 +23,14 @@ from scheduler.autoscaler.capacity import (
     plan_capacity,
     pool_slo,
 )
-from scheduler.autoscaler.forecast import (
+from tidal.scheduler.autoscaler.forecast import (
     EventCalendar,
     Forecaster,
     HourOfWeekProfile,
     ScheduledEvent,
     hour_of_week,
 )
-from scheduler.autoscaler.policy import (
+from tidal.scheduler.autoscaler.policy import (
     POLICIES,
     ReactivePolicy,
     ScaleDecision,
@@ -39,7 +39,7 @@ from scheduler.autoscaler.policy import (
     TidalPolicy,
     make_policy,
 )
-from scheduler.autoscaler.scaler import Autoscaler, AutoscalerLoop, ScaleStep
+from tidal.scheduler.autoscaler.scaler import Autoscaler, AutoscalerLoop, ScaleStep
 
 __all__ = [
     "POLICIES",

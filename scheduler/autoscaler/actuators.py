@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from scheduler.signals import PoolLoad
+from tidal.scheduler.signals import PoolLoad
 
 __all__ = ["Actuator", "GaugeActuator", "PoolReplicas"]
 

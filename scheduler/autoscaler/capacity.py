@@ -32,14 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from replicas.sim.capacity import CapacityError, Slo
-from replicas.sim.presets import get_preset
-from replicas.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
-from scheduler.signals import PoolLoad
 from tidal.fleet import AutoscalerSpec, FleetConfig, PoolSpec
+from tidal.replicas.sim.capacity import CapacityError, Slo
+from tidal.replicas.sim.presets import get_preset
+from tidal.replicas.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from tidal.scheduler.signals import PoolLoad
 
 if TYPE_CHECKING:
-    from scheduler.plan.workload import Workload
+    from tidal.scheduler.plan.workload import Workload
 
 __all__ = [
     "CapacityPlan",
@@ -190,7 +190,7 @@ def _read_cache(path: Path) -> dict[str, Any]:
 def _plan_workload(prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], n: int = 2000) -> Workload:
     """``n`` requests with log-uniform lengths in the ranges, sharing no prefix (the measurement
     sets their rate)."""
-    from scheduler.plan.workload import Workload
+    from tidal.scheduler.plan.workload import Workload
 
     rng = random.Random(0)
 
@@ -258,7 +258,7 @@ def plan_capacity(fleet: FleetConfig, pool: PoolSpec, *, cache_path: Path | None
     slo = pool_slo(fleet, spec)
     plan = spec.planned
     preset, source = _plan_source(pool, slo)
-    from scheduler.plan.capacity import measure  # the planner's; imported only when measuring
+    from tidal.scheduler.plan.capacity import measure  # the planner's; imported only when measuring
 
     measured = measure(
         get_preset(preset), _plan_workload(plan.prompt_tokens, plan.output_tokens), slo, rel_tol=0.05

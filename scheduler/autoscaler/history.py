@@ -36,7 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from scheduler.autoscaler.forecast import HourOfWeekProfile
+from tidal.scheduler.autoscaler.forecast import HourOfWeekProfile
 
 __all__ = ["History", "HistoryError", "HistoryFormat", "read_history"]
 

@@ -30,9 +30,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from scheduler.autoscaler.actuators import PoolReplicas
-from scheduler.signals import PoolLoad, ReplicaRegistry
 from tidal.fleet import KubernetesTargetSpec
+from tidal.scheduler.autoscaler.actuators import PoolReplicas
+from tidal.scheduler.signals import PoolLoad, ReplicaRegistry
 
 __all__ = ["KubernetesActuator", "load_kubernetes_configuration"]
 

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from replicas.launcher import ReplicaProcess, free_port, sim_process, vllm_process
-from scheduler.autoscaler.actuators import PoolReplicas
-from scheduler.signals import PoolLoad, ReplicaRegistry
+from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process, vllm_process
+from tidal.scheduler.autoscaler.actuators import PoolReplicas
+from tidal.scheduler.signals import PoolLoad, ReplicaRegistry
 
 __all__ = ["LocalProcessActuator", "LocalTemplate", "ProcessFactory"]
 

@@ -32,8 +32,8 @@ from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from scheduler.signals import PoolLoad
 from tidal.fleet import AutoscalerSpec
+from tidal.scheduler.signals import PoolLoad
 
 __all__ = [
     "POLICIES",

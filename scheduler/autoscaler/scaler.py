@@ -29,14 +29,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from scheduler.autoscaler.actuators import Actuator
-from scheduler.autoscaler.capacity import LearnsCapacity, ReplicaCapacity
-from scheduler.autoscaler.forecast import Forecaster
-from scheduler.autoscaler.policy import ScaleInput, ScalePolicy
-from scheduler.metrics import SchedulerMetrics
-from scheduler.signals import LoadSource, PoolLoad
 from tidal.clock import Clock
 from tidal.fleet import AutoscalerSpec
+from tidal.scheduler.autoscaler.actuators import Actuator
+from tidal.scheduler.autoscaler.capacity import LearnsCapacity, ReplicaCapacity
+from tidal.scheduler.autoscaler.forecast import Forecaster
+from tidal.scheduler.autoscaler.policy import ScaleInput, ScalePolicy
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.signals import LoadSource, PoolLoad
 
 __all__ = ["Autoscaler", "AutoscalerLoop", "ScaleStep"]
 

@@ -15,10 +15,10 @@ It lives in ``scheduler`` because the autoscaler consumes its capacity, and the 
 the scheduler use ``replicas.sim`` (the simulator) and ``batch_jobs`` (the eval job kind).
 """
 
-from scheduler.plan.capacity import measured_capacity
-from scheduler.plan.catalog import Catalog, load_catalog, load_prices
-from scheduler.plan.planner import Plan, PlanRequest, make_plan
-from scheduler.plan.workload import Workload, load_workload
+from tidal.scheduler.plan.capacity import measured_capacity
+from tidal.scheduler.plan.catalog import Catalog, load_catalog, load_prices
+from tidal.scheduler.plan.planner import Plan, PlanRequest, make_plan
+from tidal.scheduler.plan.workload import Workload, load_workload
 
 __all__ = [
     "Catalog",

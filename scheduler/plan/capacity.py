@@ -22,11 +22,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from replicas.sim.capacity import CapacityError, MeasuredCapacity, Slo, WorkloadRequest, measure_capacity
-from replicas.sim.presets import Preset
-from replicas.sim.traces import block_hashes
-from scheduler.plan.model import predict_fleet
-from scheduler.plan.workload import Workload
+from tidal.replicas.sim.capacity import (
+    CapacityError,
+    MeasuredCapacity,
+    Slo,
+    WorkloadRequest,
+    measure_capacity,
+)
+from tidal.replicas.sim.presets import Preset
+from tidal.replicas.sim.traces import block_hashes
+from tidal.scheduler.plan.model import predict_fleet
+from tidal.scheduler.plan.workload import Workload
 
 __all__ = [
     "CapacityError",

@@ -23,8 +23,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from replicas.sim.cost import Device, ModelSpec
-from replicas.sim.presets import Preset
+from tidal.replicas.sim.cost import Device, ModelSpec
+from tidal.replicas.sim.presets import Preset
 
 __all__ = [
     "DEFAULT_CATALOG",

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replicas.sim.capacity import CapacityError, Slo
-from scheduler.evals import EvalError, JobEvalRunner, ReplicaEvalRunner
-from scheduler.plan.capacity import kv_tokens, measure
-from scheduler.plan.catalog import Catalog, CatalogError, Dtype, Prices
-from scheduler.plan.workload import Workload
-from scheduler.signals import ReplicaView
+from tidal.replicas.sim.capacity import CapacityError, Slo
+from tidal.scheduler.evals import EvalError, JobEvalRunner, ReplicaEvalRunner
+from tidal.scheduler.plan.capacity import kv_tokens, measure
+from tidal.scheduler.plan.catalog import Catalog, CatalogError, Dtype, Prices
+from tidal.scheduler.plan.workload import Workload
+from tidal.scheduler.signals import ReplicaView
 
 __all__ = ["BuildSpec", "compare_builds", "newcombe_interval", "render_comparison"]
 

@@ -32,10 +32,10 @@ import heapq
 import math
 from collections import OrderedDict, deque
 
-from replicas.sim.cost import CostModel
-from replicas.sim.presets import Preset
-from scheduler.plan.replay import LatencyStats, stats_of
-from scheduler.plan.workload import Workload
+from tidal.replicas.sim.cost import CostModel
+from tidal.replicas.sim.presets import Preset
+from tidal.scheduler.plan.replay import LatencyStats, stats_of
+from tidal.scheduler.plan.workload import Workload
 
 __all__ = ["predict_fleet"]
 

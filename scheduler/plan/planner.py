@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replicas.sim.capacity import CapacityError, Slo
-from replicas.sim.presets import Preset
-from scheduler.plan.capacity import (
+from tidal.replicas.sim.capacity import CapacityError, Slo
+from tidal.replicas.sim.presets import Preset
+from tidal.scheduler.plan.capacity import (
     CapacityMeasurement,
     batch_cap_at_slo,
     first_guess,
@@ -45,10 +45,10 @@ from scheduler.plan.capacity import (
     measure,
     uncached_prompt_tokens,
 )
-from scheduler.plan.catalog import Catalog, CatalogError, Dtype, Prices
-from scheduler.plan.model import predict_fleet
-from scheduler.plan.replay import LatencyStats, replay_fleet
-from scheduler.plan.workload import Workload, profile_dict
+from tidal.scheduler.plan.catalog import Catalog, CatalogError, Dtype, Prices
+from tidal.scheduler.plan.model import predict_fleet
+from tidal.scheduler.plan.replay import LatencyStats, replay_fleet
+from tidal.scheduler.plan.workload import Workload, profile_dict
 
 __all__ = ["OptionPlan", "Plan", "PlanRequest", "WeeklyPlan", "kv_tokens_in", "make_plan"]
 

@@ -26,10 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from replicas.sim.presets import Preset
-from replicas.sim.traces import block_hashes
-from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
-from scheduler.plan.workload import Workload
+from tidal.replicas.sim.presets import Preset
+from tidal.replicas.sim.traces import block_hashes
+from tidal.replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
+from tidal.scheduler.plan.workload import Workload
 
 __all__ = ["LatencyStats", "quantile", "replay_fleet", "stats_of"]
 

@@ -17,7 +17,7 @@ import io
 import math
 from typing import Any
 
-from scheduler.plan.planner import Plan
+from tidal.scheduler.plan.planner import Plan
 
 __all__ = ["render_html", "render_text"]
 

@@ -42,7 +42,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from replicas.sim.traces import (
+from tidal.replicas.sim.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TraceRequest,
     find_trace,

@@ -23,10 +23,10 @@ import httpx
 import yaml
 from aiohttp import web
 
-from replicas.launcher import ReplicaProcess, free_port
-from replicas.wire.prom import parse_samples
-from router.ring import HashRing, stable_hash
 from tidal.fleet import hash_api_key
+from tidal.replicas.launcher import ReplicaProcess, free_port
+from tidal.replicas.wire.prom import parse_samples
+from tidal.router.ring import HashRing, stable_hash
 
 __all__ = [
     "ThreadedServer",

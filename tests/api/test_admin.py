@@ -6,10 +6,10 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.auth import KeyStore, Principal
-from batch_jobs.store import Store, put_runtime_replica, runtime_replicas
 from tests.api.harness import Gateway
+from tidal.api.app import create_app
+from tidal.api.auth import KeyStore, Principal
+from tidal.batch_jobs.store import Store, put_runtime_replica, runtime_replicas
 from tidal.fleet import parse_fleet
 from tidal.settings import Settings
 

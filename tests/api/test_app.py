@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.auth import KeyStore, Principal
-from api.deps import AdminDep, PrincipalDep
+from tidal.api.app import create_app
+from tidal.api.auth import KeyStore, Principal
+from tidal.api.deps import AdminDep, PrincipalDep
 from tidal.defaults import DEFAULT_FLEET_PATH
 from tidal.fleet import load_fleet
 from tidal.settings import Settings

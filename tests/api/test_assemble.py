@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.assemble import Assembler, assemblable, streamed_body
+from tidal.api.assemble import Assembler, assemblable, streamed_body
 
 
 def _chat(index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:

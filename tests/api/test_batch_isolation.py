@@ -14,9 +14,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
-from api.app import create_app
-from api.auth import KeyStore, Principal
 from tests.batch_tier import chat_lines, openai_client
+from tidal.api.app import create_app
+from tidal.api.auth import KeyStore, Principal
 from tidal.fleet import parse_fleet
 from tidal.settings import Settings
 

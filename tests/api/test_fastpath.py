@@ -16,9 +16,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
-from api.app import GatewayApp, create_app
-from api.auth import KeyStore, Principal
 from tests.api.harness import fleet_dict, with_embedding_pool
+from tidal.api.app import GatewayApp, create_app
+from tidal.api.auth import KeyStore, Principal
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 

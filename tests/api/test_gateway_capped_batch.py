@@ -26,8 +26,8 @@ import httpx
 import openai
 import pytest
 
-from replicas.wire.prom import Histogram, parse_samples, sum_histograms
 from tests.api.harness import DEV_KEY, fleet_dict, run_gateway
+from tidal.replicas.wire.prom import Histogram, parse_samples, sum_histograms
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -34,9 +34,9 @@ import httpx
 import openai
 import pytest
 
-from replicas.wire.prom import parse_samples
 from tests.api.harness import DEV_KEY, Gateway, fleet_dict, run_gateway
 from tests.services import require_tcp
+from tidal.replicas.wire.prom import parse_samples
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 

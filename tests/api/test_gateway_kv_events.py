@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
-from replicas.launcher import ReplicaProcess, sim_process
-from replicas.wire.prom import parse_samples
 from tests.api.harness import DEV_KEY, Gateway, run_gateway
+from tidal.replicas.launcher import ReplicaProcess, sim_process
+from tidal.replicas.wire.prom import parse_samples
 
 SYSTEM = "You are the support assistant of a bicycle shop. " * 60
 

@@ -32,9 +32,9 @@ import httpx
 import pytest
 import yaml
 
-from replicas.launcher import ReplicaProcess, free_port, sim_process
 from tests.api.harness import ADMIN_KEY, DEV_KEY, Gateway, fleet_dict, run_gateway
 from tests.services import in_ci, require_tcp
+from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process
 
 pytestmark = pytest.mark.redis
 

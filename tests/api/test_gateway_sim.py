@@ -9,10 +9,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from replicas.launcher import ReplicaProcess, sim_process
 from tests.api.harness import DEV_KEY, Gateway, run_gateway
 from tidal.cli.up import plan_parts
 from tidal.defaults import DEFAULT_FLEET_PATH
+from tidal.replicas.launcher import ReplicaProcess, sim_process
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from replicas.metrics import parse_load_snapshot
 from tests.api.harness import DEV_KEY, Gateway, fleet_dict, play_until, run_gateway
+from tidal.replicas.metrics import parse_load_snapshot
 
 pytestmark = pytest.mark.vllm
 

@@ -28,9 +28,9 @@ from fastapi.testclient import TestClient
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.app import create_app
-from api.auth import KeyStore, Principal
 from tests.api.harness import ADMIN_KEY, DEV_KEY, Gateway, fleet_dict, run_gateway, with_embedding_pool
+from tidal.api.app import create_app
+from tidal.api.auth import KeyStore, Principal
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 

@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
-from replicas.launcher import ReplicaProcess, sim_process
 from tests.api.harness import ACME_KEY, AuthProxy, Gateway, run_gateway
 from tidal.fleet import hash_api_key
+from tidal.replicas.launcher import ReplicaProcess, sim_process
 
 GLOBEX_KEY = "globex-key-for-tests-0123456789"
 INITECH_KEY = "initech-key-for-tests-0123456789"

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.auth import KeyStore, Principal
+from tidal.api.app import create_app
+from tidal.api.auth import KeyStore, Principal
 from tidal.fleet import parse_fleet
 from tidal.settings import Settings
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from api.proxy import _upstream_error_body, _Watch
+from tidal.api.proxy import _upstream_error_body, _Watch
 from tidal.clock import ManualClock
 
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'

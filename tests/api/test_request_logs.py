@@ -12,8 +12,8 @@ from typing import Any
 import openai
 import pytest
 
-from replicas.launcher import ReplicaProcess, sim_process
 from tests.api.harness import DEV_KEY, fleet_dict, run_gateway, running
+from tidal.replicas.launcher import ReplicaProcess, sim_process
 
 JSON_LOGS = {"TIDAL_LOG_FORMAT": "json", "TIDAL_ACCESS_LOG": "true"}
 

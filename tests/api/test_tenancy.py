@@ -18,10 +18,10 @@ import httpx
 import openai
 import pytest
 
-from replicas.launcher import ReplicaProcess, sim_process
 from tests.api.harness import ACME_KEY, Gateway, fleet_dict, run_gateway, running
 from tests.services import require_tcp
 from tidal.fleet import hash_api_key
+from tidal.replicas.launcher import ReplicaProcess, sim_process
 
 METERED_KEY = "tidal-test-metered-key-0123456789"
 HEAVY_KEY = "tidal-test-heavy-key-0123456789"

@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from batch_jobs.dispatch import PublishError, publish_pending
-from batch_jobs.files import FileStore, LocalFileStore
-from batch_jobs.finalize import finalize_batch, release_stale_claims
-from batch_jobs.maintenance import BatchMaintenance
-from batch_jobs.models import BatchCreate
-from batch_jobs.results import LineResult, record_results
-from batch_jobs.service import BatchService
-from batch_jobs.store import (
+from tests.batch_tier import chat_lines, read_jsonl
+from tidal.batch_jobs.dispatch import PublishError, publish_pending
+from tidal.batch_jobs.files import FileStore, LocalFileStore
+from tidal.batch_jobs.finalize import finalize_batch, release_stale_claims
+from tidal.batch_jobs.maintenance import BatchMaintenance
+from tidal.batch_jobs.models import BatchCreate
+from tidal.batch_jobs.results import LineResult, record_results
+from tidal.batch_jobs.service import BatchService
+from tidal.batch_jobs.store import (
     Store,
     lane_paused,
     line_counts,
@@ -28,7 +29,6 @@ from batch_jobs.store import (
     set_lane_paused,
     workers_of_lane,
 )
-from tests.batch_tier import chat_lines, read_jsonl
 from tidal.clock import ManualClock
 from tidal.fleet import parse_fleet
 from tidal.settings import Settings
@@ -56,7 +56,7 @@ def svc(database_url: str, tmp_path: Path) -> Iterator[BatchService]:
     store = Store.from_url(database_url)
     files: FileStore
     if database_url.startswith("postgresql"):
-        from batch_jobs.files_postgres import PostgresFileStore
+        from tidal.batch_jobs.files_postgres import PostgresFileStore
 
         files = PostgresFileStore(database_url, max_bytes=10_000_000)
     else:

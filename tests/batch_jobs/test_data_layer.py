@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sqlmodel import SQLModel
 
-import batch_jobs.models  # noqa: F401  (registers the tables)
+import tidal.batch_jobs.models  # noqa: F401  (registers the tables)
 from tests.test_layering import PACKAGES
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from batch_jobs.files import FileTooLarge, LocalFileStore, file_ref, file_store_from_settings
-from batch_jobs.files_postgres import PostgresFileStore
 from tests.batch_tier import postgres_database, require_postgres
+from tidal.batch_jobs.files import FileTooLarge, LocalFileStore, file_ref, file_store_from_settings
+from tidal.batch_jobs.files_postgres import PostgresFileStore
 from tidal.settings import Settings
 
 pytestmark = [pytest.mark.postgres, pytest.mark.anyio]

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batch_jobs.errors import InvalidRequest
-from batch_jobs.jobs import KINDS, Answer, Finished, JobContext, Stage
-from batch_jobs.jobs.scoring import judge_verdict, score_item, wilson_interval
-from batch_jobs.jobs.summaries import split_text
+from tidal.batch_jobs.errors import InvalidRequest
+from tidal.batch_jobs.jobs import KINDS, Answer, Finished, JobContext, Stage
+from tidal.batch_jobs.jobs.scoring import judge_verdict, score_item, wilson_interval
+from tidal.batch_jobs.jobs.summaries import split_text
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, MetaData, inspect, select, text
 from sqlmodel import Session, SQLModel
 
-from batch_jobs import migrations
-from batch_jobs.models import (
+from tidal.batch_jobs import migrations
+from tidal.batch_jobs.models import (
     BatchChunk,
     BatchLine,
     BatchRecord,
@@ -32,7 +32,7 @@ from batch_jobs.models import (
     TenantDispatch,
     WorkerRecord,
 )
-from batch_jobs.store import Store, lane_paused, make_engine
+from tidal.batch_jobs.store import Store, lane_paused, make_engine
 
 TENANTS = "tidal_batch_tenants"  # the table revision 0002 adds
 

@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, Literal
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from batch_jobs.validation import iter_valid_lines, validate_batch_file
+from tidal.batch_jobs.validation import iter_valid_lines, validate_batch_file
 
 ENDPOINT = "/v1/chat/completions"
 MODELS = {"tiny"}
@@ -84,8 +84,8 @@ def test_a_line_nested_too_deep_is_an_invalid_line_not_a_crash(tmp_path: Path) -
 @given(lines=st.lists(raw_lines, max_size=8))
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 def test_any_job_dataset_is_read_or_refused_as_a_bad_request(lines: list[bytes]) -> None:
-    from batch_jobs.errors import InvalidRequest
-    from batch_jobs.jobs.base import read_dataset
+    from tidal.batch_jobs.errors import InvalidRequest
+    from tidal.batch_jobs.jobs.base import read_dataset
 
     source: Any = _Bytes(b"\n".join(lines) + b"\n")
     try:

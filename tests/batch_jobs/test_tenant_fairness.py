@@ -21,17 +21,17 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
-from api.app import create_app
-from api.auth import KeyStore, Principal
-from batch_jobs.dispatch import PublishError, Window, tenant_windows, top_up
-from batch_jobs.errors import LimitExceeded
-from batch_jobs.files import LocalFileStore
-from batch_jobs.jobs import JobService
-from batch_jobs.maintenance import BatchMaintenance
-from batch_jobs.models import BatchCreate, JobCreate
-from batch_jobs.service import BatchService
-from batch_jobs.store import Store
 from tests.batch_tier import chat_lines, openai_client
+from tidal.api.app import create_app
+from tidal.api.auth import KeyStore, Principal
+from tidal.batch_jobs.dispatch import PublishError, Window, tenant_windows, top_up
+from tidal.batch_jobs.errors import LimitExceeded
+from tidal.batch_jobs.files import LocalFileStore
+from tidal.batch_jobs.jobs import JobService
+from tidal.batch_jobs.maintenance import BatchMaintenance
+from tidal.batch_jobs.models import BatchCreate, JobCreate
+from tidal.batch_jobs.service import BatchService
+from tidal.batch_jobs.store import Store
 from tidal.clock import ManualClock
 from tidal.fleet import parse_fleet
 from tidal.settings import Settings

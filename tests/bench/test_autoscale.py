@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.autoscale import (
+from tidal.bench.autoscale import (
     DAY,
     WEEK,
     WEEK_START,
@@ -25,12 +25,12 @@ from bench.autoscale import (
     synthetic_week,
     trace_burstiness,
 )
-from bench.traces import TraceRequest
-from replicas.sim.capacity import Slo
-from scheduler.autoscaler import PoolReplicas
-from scheduler.plan.workload import Workload as RequestMix
+from tidal.bench.traces import TraceRequest
 from tidal.clock import ManualClock
 from tidal.fleet import AutoscalerSpec
+from tidal.replicas.sim.capacity import Slo
+from tidal.scheduler.autoscaler import PoolReplicas
+from tidal.scheduler.plan.workload import Workload as RequestMix
 
 pytestmark = pytest.mark.anyio
 
@@ -181,7 +181,7 @@ def test_the_benchmark_writes_the_contract_rows_for_each_trace_and_a_plot(
         mixes.append((label, len(mix.requests)))
         return dataclasses.replace(measured, workload=label, capacity_rps=measured.capacity_rps * len(mixes))
 
-    monkeypatch.setattr("bench.autoscale._measure_replica", measure_replica)
+    monkeypatch.setattr("tidal.bench.autoscale._measure_replica", measure_replica)
     trace = write_trace(tmp_path / "bursty.csv")
     rows = run(quick=True, out_dir=tmp_path, trace=str(trace), days=1.0)
     assert mixes[0][0].startswith("tidal plan's synthetic chat workload")

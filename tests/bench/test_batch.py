@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import bench.batch as batch_bench
+import tidal.bench.batch as batch_bench
 
 
 def test_lengths_come_from_a_given_trace_capped_to_the_context(tmp_path: Path) -> None:

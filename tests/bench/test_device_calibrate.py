@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.device.calibrate_h200 import SHAPES, main, model_config, vllm_command, write_model_dir
-from replicas.launcher import sim_process
 from tests.services import require_module
+from tidal.bench.device.calibrate_h200 import SHAPES, main, model_config, vllm_command, write_model_dir
+from tidal.replicas.launcher import sim_process
 
 
 @pytest.mark.parametrize("key", ["8b", "70b-fp8"])

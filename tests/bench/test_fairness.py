@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.fairness import run
+from tidal.bench.fairness import run
 
 CONTRACT = {"policy", "light_share", "light_fair_share", "light_ttft_p95_s", "light_alone_ttft_p95_s"}
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gate import run
 from tests.services import require_tcp
+from tidal.bench.gate import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq]
 

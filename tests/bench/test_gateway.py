@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gateway import run
+from tidal.bench.gateway import run
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.mixed_soak import run
 from tests.batch_tier import require_rabbitmq
+from tidal.bench.mixed_soak import run
 
 pytestmark = pytest.mark.slow
 

@@ -7,15 +7,15 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.auth import KeyStore, Principal
-from bench.prompt_views import block_text, conversations, prepare_views, trace_messages
-from bench.traces import TraceRequest
-from router.framework import Router
-from router.prefix import MAX_BLOCKS, render_messages
-from router.types import RouteRequest
 from tests.api.harness import fleet_dict
+from tidal.api.app import create_app
+from tidal.api.auth import KeyStore, Principal
+from tidal.bench.prompt_views import block_text, conversations, prepare_views, trace_messages
+from tidal.bench.traces import TraceRequest
 from tidal.fleet import FleetConfig
+from tidal.router.framework import Router
+from tidal.router.prefix import MAX_BLOCKS, render_messages
+from tidal.router.types import RouteRequest
 from tidal.settings import Settings
 
 # One conversation of three turns (each repeats the whole previous prompt, whose last block is

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bench.router_scale import run
-from router.profiles import BUILTIN_PROFILES
+from tidal.bench.router_scale import run
+from tidal.router.profiles import BUILTIN_PROFILES
 
 CONTRACT = {"profile", "replicas", "decision_p50_us", "decision_p99_us", "gc_pause_max_ms"}
 

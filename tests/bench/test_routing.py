@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench.routing import (
+from tidal.bench.routing import (
     KV_EVENT_LATENCY_S,
     PRESET,
     STORE_RTT_S,
@@ -28,11 +28,11 @@ from bench.routing import (
     variant,
     verdict,
 )
-from bench.traces import TraceRequest, block_hashes, synthetic_workload
-from replicas.sim.virtual import SimRequest, VirtualCluster
-from replicas.wire.kv_events import KVCacheEvent
-from router.kv_events import PromptKeys
-from router.loader import build_router
+from tidal.bench.traces import TraceRequest, block_hashes, synthetic_workload
+from tidal.replicas.sim.virtual import SimRequest, VirtualCluster
+from tidal.replicas.wire.kv_events import KVCacheEvent
+from tidal.router.kv_events import PromptKeys
+from tidal.router.loader import build_router
 
 COLUMNS = {
     "trace",
@@ -301,7 +301,7 @@ def test_a_verdict_of_best_needs_an_interval_below_the_next_policys() -> None:
 def test_parameters_are_tuned_on_requests_that_are_not_scored(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import bench.routing as routing
+    import tidal.bench.routing as routing
 
     seen: list[tuple[str, dict[str, float], float, frozenset[int]]] = []
     real = routing.replay
@@ -343,7 +343,7 @@ def test_a_tuned_setting_reaches_the_router() -> None:
 def test_llm_d_reads_metrics_every_50_ms_and_tidal_at_the_gateways_interval(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from router.registry import ReplicaRegistry
+    from tidal.router.registry import ReplicaRegistry
 
     calls: list[int] = []
     real = ReplicaRegistry.update_snapshot

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.sim import _same_results, replay
-from bench.traces import synthetic_workload
+from tidal.bench.sim import _same_results, replay
+from tidal.bench.traces import synthetic_workload
 
 
 def test_replay_in_closed_form_matches_stepping_and_reports_what_happened() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import run
+from tidal.bench.soak import run
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from replicas.launcher import ReplicaProcess, sim_process
 from tests.chaos.services import (
     PrivatePostgres,
     PrivateRabbit,
@@ -21,6 +20,7 @@ from tests.chaos.services import (
     private_rabbitmq,
     service_dir,
 )
+from tidal.replicas.launcher import ReplicaProcess, sim_process
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,7 @@ import random
 import threading
 from dataclasses import dataclass, field
 
-from replicas.launcher import free_port
+from tidal.replicas.launcher import free_port
 
 __all__ = ["FaultProxy", "ProxyStats"]
 

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from replicas.launcher import free_port
 from tests.services import in_ci
+from tidal.replicas.launcher import free_port
 
 __all__ = [
     "PrivatePostgres",

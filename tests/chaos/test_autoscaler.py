@@ -31,16 +31,16 @@ from pathlib import Path
 
 import pytest
 
-from replicas.launcher import ReplicaProcess, sim_process
-from scheduler.autoscaler import Autoscaler, AutoscalerLoop, StaticCapacity, make_policy
-from scheduler.autoscaler.local import LocalProcessActuator, LocalTemplate
-from scheduler.gateway import GatewayAdmin
-from scheduler.metrics import SchedulerMetrics
 from tests.api.harness import ADMIN_KEY, DEV_KEY, Gateway, fleet_dict, run_gateway
 from tests.chaos.matrix import StreamingClients, record
 from tests.chaos.netproxy import FaultProxy
 from tidal.clock import SystemClock
 from tidal.fleet import AutoscalerSpec
+from tidal.replicas.launcher import ReplicaProcess, sim_process
+from tidal.scheduler.autoscaler import Autoscaler, AutoscalerLoop, StaticCapacity, make_policy
+from tidal.scheduler.autoscaler.local import LocalProcessActuator, LocalTemplate
+from tidal.scheduler.gateway import GatewayAdmin
+from tidal.scheduler.metrics import SchedulerMetrics
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

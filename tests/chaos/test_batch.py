@@ -23,7 +23,6 @@ import openai
 import pytest
 from sqlalchemy import create_engine, text
 
-from replicas.launcher import ReplicaProcess
 from tests.batch_tier import (
     BatchTier,
     chat_lines,
@@ -40,6 +39,7 @@ from tests.chaos.services import (
     service_dir,
 )
 from tests.services import in_ci
+from tidal.replicas.launcher import ReplicaProcess
 
 pytestmark = pytest.mark.slow
 

@@ -18,14 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from replicas.launcher import ReplicaProcess
-from scheduler.gateway import GatewayAdmin
-from scheduler.health import CanaryGeneration, HealthProber
-from scheduler.metrics import SchedulerMetrics
 from tests.api.harness import ADMIN_KEY, DEV_KEY, Gateway, fleet_dict, run_gateway
 from tests.chaos.conftest import running_sims
 from tests.chaos.matrix import Row, StreamingClients, record
 from tidal.clock import SystemClock
+from tidal.replicas.launcher import ReplicaProcess
+from tidal.scheduler.gateway import GatewayAdmin
+from tidal.scheduler.health import CanaryGeneration, HealthProber
+from tidal.scheduler.metrics import SchedulerMetrics
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

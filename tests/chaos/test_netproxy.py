@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from replicas.launcher import free_port
 from tests.chaos.netproxy import FaultProxy
+from tidal.replicas.launcher import free_port
 
 
 class _Echo(socketserver.BaseRequestHandler):

@@ -27,13 +27,13 @@ from typing import Any
 
 import pytest
 
-from replicas.wire.kv_events import KVEventSubscriber
-from router.kv_events import ReplicaBlockIndex
 from tests.api.harness import DEV_KEY, Gateway, fleet_dict, run_gateway
 from tests.chaos.conftest import running_sims
 from tests.chaos.matrix import Outcome, Row, StreamingClients, record
 from tests.chaos.netproxy import FaultProxy
 from tidal.clock import SystemClock
+from tidal.replicas.wire.kv_events import KVEventSubscriber
+from tidal.router.kv_events import ReplicaBlockIndex
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

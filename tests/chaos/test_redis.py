@@ -24,10 +24,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from replicas.launcher import ReplicaProcess
 from tests.api.harness import DEV_KEY, Gateway, fleet_dict, run_gateway
 from tests.chaos.matrix import Row, StreamingClients, record
 from tests.chaos.services import private_redis
+from tidal.replicas.launcher import ReplicaProcess
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

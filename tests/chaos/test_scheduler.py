@@ -21,13 +21,13 @@ import httpx
 import openai
 import pytest
 
-from replicas.launcher import ReplicaProcess
-from replicas.wire.prom import parse_samples
 from tests.api.harness import DEV_KEY, run_gateway
 from tests.batch_tier import chat_lines, running_tier, wait_for
 from tests.chaos.services import PrivatePostgres, PrivateRabbit
 from tests.chaos.test_batch import LINES, _database, _done, _final, _row
 from tests.scheduler.test_scheduler_e2e import _fleet, _scheduler
+from tidal.replicas.launcher import ReplicaProcess
+from tidal.replicas.wire.prom import parse_samples
 
 pytestmark = pytest.mark.slow
 

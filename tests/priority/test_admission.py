@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from priority.admission import MIN_DRAIN_SAMPLES, Admission, Decision, Outcome
 from tidal.clock import ManualClock
+from tidal.priority.admission import MIN_DRAIN_SAMPLES, Admission, Decision, Outcome
 
 
 @dataclass

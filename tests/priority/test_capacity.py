@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from priority.capacity import AdaptiveCap
 from tidal.clock import ManualClock
+from tidal.priority.capacity import AdaptiveCap
 
 
 def _cap(clock: ManualClock, initial: int = 64) -> AdaptiveCap:

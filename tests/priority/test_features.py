@@ -6,8 +6,14 @@ from typing import Any
 
 import pytest
 
-from priority.features import PlanError, estimate_tokens, plan_request, resolve_batch_feature, resolve_feature
 from tidal.fleet import FleetConfig, parse_fleet
+from tidal.priority.features import (
+    PlanError,
+    estimate_tokens,
+    plan_request,
+    resolve_batch_feature,
+    resolve_feature,
+)
 
 
 def fleet(**extra: Any) -> FleetConfig:

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import pika
 import pytest
 
-from priority.classes import Lane
-from priority.queues import (
+from tests.batch_tier import RABBIT_URL, require_rabbitmq, wait_for
+from tidal.priority.classes import Lane
+from tidal.priority.queues import (
     Topology,
     declare_topology,
     delete_topology,
@@ -20,7 +21,6 @@ from priority.queues import (
     publish_lane_control,
     queue_depths,
 )
-from tests.batch_tier import RABBIT_URL, require_rabbitmq, wait_for
 
 pytestmark = pytest.mark.rabbitmq
 

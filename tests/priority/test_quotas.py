@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from priority.quotas import LocalQuotas, QuotaStore, QuotaUnavailable, RedisQuotas, format_reset
 from tests.services import require_tcp
 from tidal.clock import ManualClock
 from tidal.fleet import QuotaSpec
+from tidal.priority.quotas import LocalQuotas, QuotaStore, QuotaUnavailable, RedisQuotas, format_reset
 
 REDIS = "redis://127.0.0.1:6379/0"
 

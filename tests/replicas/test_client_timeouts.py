@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from replicas.client import ReplicaClient
-from replicas.errors import ReplicaTimeout
+from tidal.replicas.client import ReplicaClient
+from tidal.replicas.errors import ReplicaTimeout
 
 pytestmark = pytest.mark.anyio
 

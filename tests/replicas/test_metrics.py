@@ -8,9 +8,9 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from replicas.metrics import parse_load_snapshot
-from replicas.sim.engine import SimEngine
-from replicas.wire.prom import PromParseError
+from tidal.replicas.metrics import parse_load_snapshot
+from tidal.replicas.sim.engine import SimEngine
+from tidal.replicas.wire.prom import PromParseError
 
 V033 = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -7,9 +7,9 @@ import asyncio
 import openai
 import pytest
 
-from replicas.client import ReplicaClient
-from replicas.errors import ReplicaModelNotFound, ReplicaRequestError
-from replicas.wire.prom import parse_samples
+from tidal.replicas.client import ReplicaClient
+from tidal.replicas.errors import ReplicaModelNotFound, ReplicaRequestError
+from tidal.replicas.wire.prom import parse_samples
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
 

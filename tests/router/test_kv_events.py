@@ -9,9 +9,10 @@ import random
 
 import pytest
 
-from replicas.sim.tokenizer import WordTokenizer
-from replicas.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from router.kv_events import (
+from tidal.clock import ManualClock
+from tidal.replicas.sim.tokenizer import WordTokenizer
+from tidal.replicas.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tidal.router.kv_events import (
     PromptKeys,
     PromptTokenizer,
     ReplicaBlockIndex,
@@ -19,10 +20,9 @@ from router.kv_events import (
     chat_prompt_keys,
     completion_prompt_keys,
 )
-from router.loader import build_router
-from router.plugins.producers.kv_index import CACHED_TOKENS, KVIndex
-from router.types import CycleState, ReplicaView, RouteRequest
-from tidal.clock import ManualClock
+from tidal.router.loader import build_router
+from tidal.router.plugins.producers.kv_index import CACHED_TOKENS, KVIndex
+from tidal.router.types import CycleState, ReplicaView, RouteRequest
 
 BS = 4
 PROMPT = list(range(1, 17))  # four blocks of 4
@@ -180,7 +180,7 @@ CONVERSATIONS = [
 def test_the_gateways_segment_cache_tokenises_exactly_like_the_replica(
     which: str, request: pytest.FixtureRequest
 ) -> None:
-    from replicas.sim.tokenizer import HFTokenizer
+    from tidal.replicas.sim.tokenizer import HFTokenizer
 
     tok = (
         WordTokenizer()
@@ -280,7 +280,7 @@ def test_the_default_profile_routes_a_follow_up_to_the_replica_holding_its_prefi
 
 
 def test_the_virtual_cluster_feeds_an_index_in_process() -> None:
-    from replicas.sim.virtual import SimRequest, VirtualCluster
+    from tidal.replicas.sim.virtual import SimRequest, VirtualCluster
 
     cluster = VirtualCluster(preset="llama-3.1-8b-h100", replicas=2, seed=0, enable_kv_cache_events=True)
     indexes = [ReplicaBlockIndex(), ReplicaBlockIndex()]

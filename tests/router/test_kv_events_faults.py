@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 import pytest
 
-from replicas.launcher import free_port
-from replicas.wire.kv_events import BlockRemoved, BlockStored, KVEventPublisher
-from router.kv_events import KVEventsEndpoints, KVEventsTracker, PromptKeys, chain_keys
-from router.loader import build_router
-from router.types import ReplicaView, RouteRequest
 from tidal.clock import ManualClock
+from tidal.replicas.launcher import free_port
+from tidal.replicas.wire.kv_events import BlockRemoved, BlockStored, KVEventPublisher
+from tidal.router.kv_events import KVEventsEndpoints, KVEventsTracker, PromptKeys, chain_keys
+from tidal.router.loader import build_router
+from tidal.router.types import ReplicaView, RouteRequest
 
 BS = 16
 OLD = list(range(1000, 1064))  # 4 blocks cached by the first process

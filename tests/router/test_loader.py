@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 
-from router.framework import Router
-from router.loader import RouterConfigError, build_router, check_router
-from router.plugins.register import REGISTRY
-from router.profiles import BUILTIN_PROFILES
-from router.types import ReplicaView, RouteRequest, RouteResult
 from tidal.fleet import RouterSpec
+from tidal.router.framework import Router
+from tidal.router.loader import RouterConfigError, build_router, check_router
+from tidal.router.plugins.register import REGISTRY
+from tidal.router.profiles import BUILTIN_PROFILES
+from tidal.router.types import ReplicaView, RouteRequest, RouteResult
 
 VIEWS = [ReplicaView(f"r{i}", model="m") for i in range(4)]
 

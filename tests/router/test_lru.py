@@ -7,8 +7,8 @@ from collections import OrderedDict
 
 from hypothesis import given, settings, strategies as st
 
-from router import lru as lru_module
-from router.lru import BlockLRU
+from tidal.router import lru as lru_module
+from tidal.router.lru import BlockLRU
 
 _touch = st.lists(st.integers(0, 40), min_size=0, max_size=12, unique=True).map(lambda ks: ("touch", ks))
 _evict = st.integers(0, 30).map(lambda cap: ("evict", cap))

@@ -8,28 +8,28 @@ from typing import Any
 
 import pytest
 
-from replicas.metrics import LoadSnapshot
-from router.plugins.filters.adapter import AdapterFilter
-from router.plugins.filters.canary import CanaryFilter
-from router.plugins.filters.capacity import CapacityFilter
-from router.plugins.filters.healthy import HealthyFilter
-from router.plugins.filters.model import ModelFilter
-from router.plugins.filters.region import RegionFilter
-from router.plugins.pickers.max_score import MaxScorePicker
-from router.plugins.pickers.power_of_two import PowerOfTwoPicker
-from router.plugins.pickers.round_robin import RoundRobinPicker
-from router.plugins.producers.block_index import TREE_FACTS, ApproxPrefixIndex, RadixTree, TreeFacts
-from router.plugins.producers.rings import PREFIX_CHOICE, PrefixRing, SessionRing
-from router.plugins.scorers.cache_aware import CacheAwareScorer
-from router.plugins.scorers.kv_cache import KVCacheUtilizationScorer
-from router.plugins.scorers.least_inflight import LeastInflightScorer
-from router.plugins.scorers.load import LoadScorer
-from router.plugins.scorers.lora_affinity import LoraAffinityScorer
-from router.plugins.scorers.prefix_affinity import PrefixAffinityScorer
-from router.plugins.scorers.queue import QueueScorer
-from router.ring import BoundedChoice
-from router.types import CycleState, ReplicaView, RouteRequest
 from tidal.clock import ManualClock
+from tidal.replicas.metrics import LoadSnapshot
+from tidal.router.plugins.filters.adapter import AdapterFilter
+from tidal.router.plugins.filters.canary import CanaryFilter
+from tidal.router.plugins.filters.capacity import CapacityFilter
+from tidal.router.plugins.filters.healthy import HealthyFilter
+from tidal.router.plugins.filters.model import ModelFilter
+from tidal.router.plugins.filters.region import RegionFilter
+from tidal.router.plugins.pickers.max_score import MaxScorePicker
+from tidal.router.plugins.pickers.power_of_two import PowerOfTwoPicker
+from tidal.router.plugins.pickers.round_robin import RoundRobinPicker
+from tidal.router.plugins.producers.block_index import TREE_FACTS, ApproxPrefixIndex, RadixTree, TreeFacts
+from tidal.router.plugins.producers.rings import PREFIX_CHOICE, PrefixRing, SessionRing
+from tidal.router.plugins.scorers.cache_aware import CacheAwareScorer
+from tidal.router.plugins.scorers.kv_cache import KVCacheUtilizationScorer
+from tidal.router.plugins.scorers.least_inflight import LeastInflightScorer
+from tidal.router.plugins.scorers.load import LoadScorer
+from tidal.router.plugins.scorers.lora_affinity import LoraAffinityScorer
+from tidal.router.plugins.scorers.prefix_affinity import PrefixAffinityScorer
+from tidal.router.plugins.scorers.queue import QueueScorer
+from tidal.router.ring import BoundedChoice
+from tidal.router.types import CycleState, ReplicaView, RouteRequest
 
 NOW = 1000.0
 
@@ -304,7 +304,7 @@ def test_approx_index_matches_leading_blocks_and_is_sized_by_the_kv_cache() -> N
     idx.after_pick(first, v("a"), state())
     st = state()
     idx.produce(RouteRequest("m", prefix_blocks=(1, 2, 9, 9)), [v("a"), v("b")], [v("a"), v("b")], st)
-    from router.plugins.producers.block_index import INDEX_MATCH
+    from tidal.router.plugins.producers.block_index import INDEX_MATCH
 
     assert st.get(INDEX_MATCH) == {"a": 0.5, "b": 0.0}
     # A replica with 2 KV blocks of 16 tokens holds two 16-token prompt blocks: LRU keeps the last two.

@@ -10,17 +10,17 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
-from bench import router_scale as rs
-from bench.routing import bench_fleet
-from replicas.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from router.kv_events import BlockHolders, PromptKeys, ReplicaBlockIndex
-from router.loader import build_router
-from router.metrics import RouterMetrics
-from router.pool import PoolIndex
-from router.profiles import BUILTIN_PROFILES
-from router.registry import ReplicaRegistry
-from router.types import RouteRequest
+from tidal.bench import router_scale as rs
+from tidal.bench.routing import bench_fleet
 from tidal.clock import ManualClock
+from tidal.replicas.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tidal.router.kv_events import BlockHolders, PromptKeys, ReplicaBlockIndex
+from tidal.router.loader import build_router
+from tidal.router.metrics import RouterMetrics
+from tidal.router.pool import PoolIndex
+from tidal.router.profiles import BUILTIN_PROFILES
+from tidal.router.registry import ReplicaRegistry
+from tidal.router.types import RouteRequest
 
 
 def _agreement(replicas: int, requests: int, seed: int) -> dict[str, float]:

@@ -5,17 +5,17 @@ from __future__ import annotations
 import math
 import random
 
-from replicas.metrics import LoadSnapshot
-from router.loader import build_router
-from router.plugins.producers.kv_index import (
+from tidal.replicas.metrics import LoadSnapshot
+from tidal.router.loader import build_router
+from tidal.router.plugins.producers.kv_index import (
     CACHED_TOKENS,
     TAIL_AGE,
     UNCACHED_SHARE,
     KVIndex,
     leading_run,
 )
-from router.plugins.scorers.prefill_cost import PrefillCostScorer
-from router.types import CycleState, ReplicaView, RouteRequest
+from tidal.router.plugins.scorers.prefill_cost import PrefillCostScorer
+from tidal.router.types import CycleState, ReplicaView, RouteRequest
 
 NAMES = ["a", "b", "c", "d"]
 

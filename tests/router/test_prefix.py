@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.prefix import (
+from tidal.router.prefix import (
     chat_prefix_key,
     chat_view,
     completion_prefix_key,

@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from replicas.launcher import free_port
-from router.redis_load import RedisLoadStore
-from router.shared import CapProposal, GatewayLoad, SharedCap, StoreUnavailable
 from tests.services import require_tcp
+from tidal.replicas.launcher import free_port
+from tidal.router.redis_load import RedisLoadStore
+from tidal.router.shared import CapProposal, GatewayLoad, SharedCap, StoreUnavailable
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 

@@ -3,10 +3,10 @@ last scrape, without counting twice what the gateway has seen end since that scr
 
 from __future__ import annotations
 
-from priority.capacity import AdaptiveCap
-from replicas.metrics import LoadSnapshot
-from router.registry import ReplicaRegistry, ReplicaState
 from tidal.clock import ManualClock
+from tidal.priority.capacity import AdaptiveCap
+from tidal.replicas.metrics import LoadSnapshot
+from tidal.router.registry import ReplicaRegistry, ReplicaState
 
 
 def _registry() -> tuple[ReplicaRegistry, ReplicaState, ManualClock]:

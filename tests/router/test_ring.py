@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from router.ring import HashRing, bounded_choice, stable_hash
+from tidal.router.ring import HashRing, bounded_choice, stable_hash
 
 NAMES = [f"r{i}" for i in range(8)]
 
@@ -86,7 +86,7 @@ def test_bounded_load_keeps_the_max_within_the_factor() -> None:
 
 
 def test_work_bound_keeps_an_idle_pool_home_and_spreads_queued_prefill() -> None:
-    from router.ring import bounded_cost_choice
+    from tidal.router.ring import bounded_cost_choice
 
     ring = HashRing(["a", "b", "c", "d"])
     order = list(ring.walk(42))

@@ -8,10 +8,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from priority.admission import Admission, Decision, Ticket
-from priority.capacity import AdaptiveCap
-from router.registry import ReplicaRegistry, ReplicaState
-from router.shared import (
+from tidal.clock import ManualClock
+from tidal.priority.admission import Admission, Decision, Ticket
+from tidal.priority.capacity import AdaptiveCap
+from tidal.router.registry import ReplicaRegistry, ReplicaState
+from tidal.router.shared import (
     CapProposal,
     GatewayLoad,
     SharedCap,
@@ -19,7 +20,6 @@ from router.shared import (
     StoreUnavailable,
     SyncReply,
 )
-from tidal.clock import ManualClock
 
 pytestmark = pytest.mark.anyio
 

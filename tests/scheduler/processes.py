@@ -18,8 +18,8 @@ from pathlib import Path
 
 import openai
 
-from replicas.launcher import ReplicaProcess, sim_process
 from tests.api.harness import DEV_KEY, Gateway
+from tidal.replicas.launcher import ReplicaProcess, sim_process
 
 __all__ = ["Traffic", "sim_replicas"]
 

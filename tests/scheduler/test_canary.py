@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from scheduler.canary import CanaryController, CanarySpec, CanaryState, error_rate_worse, group_weights
-from scheduler.metrics import SchedulerMetrics
-from scheduler.signals import GroupLoad, LoadReport, ReplicaView
 from tidal.clock import ManualClock
+from tidal.scheduler.canary import CanaryController, CanarySpec, CanaryState, error_rate_worse, group_weights
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.signals import GroupLoad, LoadReport, ReplicaView
 
 pytestmark = pytest.mark.anyio
 

@@ -16,11 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from replicas.launcher import ReplicaProcess
-from replicas.words import COMMON_WORDS
-from scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
-from scheduler.evals import JobEvalRunner, ReplicaEvalRunner
-from scheduler.gateway import GatewayAdmin
 from tests.api.harness import ADMIN_KEY, Gateway, fleet_dict, run_gateway
 from tests.batch_tier import (
     postgres_database,
@@ -31,6 +26,11 @@ from tests.batch_tier import (
 )
 from tests.scheduler.processes import Traffic, sim_replicas, write_eval_files
 from tidal.clock import SystemClock
+from tidal.replicas.launcher import ReplicaProcess
+from tidal.replicas.words import COMMON_WORDS
+from tidal.scheduler.canary import CanaryController, CanarySpec, CanaryState, EvalRunner
+from tidal.scheduler.evals import JobEvalRunner, ReplicaEvalRunner
+from tidal.scheduler.gateway import GatewayAdmin
 
 pytestmark = pytest.mark.anyio
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.metrics import SchedulerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = re.compile(r"\btidal_(?:gate|autoscaler|health|canary)_[a-z0-9_]+")

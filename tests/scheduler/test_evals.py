@@ -12,10 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from replicas.launcher import ReplicaProcess, free_port
-from replicas.words import COMMON_WORDS
-from scheduler.evals import EvalError, JobEvalRunner, ReplicaEvalRunner
-from scheduler.signals import ReplicaView
 from tests.api.harness import ADMIN_KEY, run_gateway
 from tests.batch_tier import (
     postgres_database,
@@ -25,6 +21,10 @@ from tests.batch_tier import (
     tiny_fleet,
 )
 from tests.scheduler.processes import sim_replicas, write_eval_files
+from tidal.replicas.launcher import ReplicaProcess, free_port
+from tidal.replicas.words import COMMON_WORDS
+from tidal.scheduler.evals import EvalError, JobEvalRunner, ReplicaEvalRunner
+from tidal.scheduler.signals import ReplicaView
 
 pytestmark = pytest.mark.anyio
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.gate import BatchGate, GateController, GateSample, GateState, LaneAck
-from scheduler.metrics import SchedulerMetrics
-from scheduler.signals import LoadReport, PoolLoad
 from tidal.clock import ManualClock
 from tidal.fleet import GateSpec
+from tidal.scheduler.gate import BatchGate, GateController, GateSample, GateState, LaneAck
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.signals import LoadReport, PoolLoad
 
 pytestmark = pytest.mark.anyio
 

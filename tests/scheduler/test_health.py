@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from scheduler.autoscaler.actuators import PoolReplicas
-from scheduler.health import CanaryGeneration, HealthProber, ProbeResult
-from scheduler.metrics import SchedulerMetrics
-from scheduler.signals import PoolLoad, ReplicaView
 from tidal.clock import ManualClock
+from tidal.scheduler.autoscaler.actuators import PoolReplicas
+from tidal.scheduler.health import CanaryGeneration, HealthProber, ProbeResult
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.signals import PoolLoad, ReplicaView
 
 pytestmark = pytest.mark.anyio
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.lanes import SharedLane
-from workers.control import PauseAck
+from tidal.scheduler.lanes import SharedLane
+from tidal.workers.control import PauseAck
 
 pytestmark = pytest.mark.anyio
 

@@ -16,9 +16,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from replicas.launcher import free_port
 from tests.scheduler.test_signals import FakeGateway
 from tidal.cli import cli
+from tidal.replicas.launcher import free_port
 from tidal.settings import get_settings
 
 ROOT = Path(__file__).resolve().parents[2]

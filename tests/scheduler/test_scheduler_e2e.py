@@ -21,9 +21,6 @@ import httpx
 import openai
 import pytest
 
-from priority.queues import Topology
-from replicas.launcher import ReplicaProcess, free_port
-from replicas.wire.prom import parse_samples
 from tests.api.harness import ADMIN_KEY, DEV_KEY, run_gateway
 from tests.batch_tier import (
     BatchTier,
@@ -35,6 +32,9 @@ from tests.batch_tier import (
     running_tier,
     wait_for,
 )
+from tidal.priority.queues import Topology
+from tidal.replicas.launcher import ReplicaProcess, free_port
+from tidal.replicas.wire.prom import parse_samples
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.vllm]
 
@@ -129,7 +129,7 @@ def _chat(client: openai.OpenAI, i: int) -> str:
 def test_the_gate_pauses_batch_for_an_interactive_burst_and_the_batch_completes_once(
     tier: BatchTier, vllm_urls: list[str]
 ) -> None:
-    from workers.app import control_app
+    from tidal.workers.app import control_app
 
     replica = vllm_urls[0]
     worker = tier.start_worker("shared", concurrency=2)

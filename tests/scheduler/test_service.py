@@ -11,19 +11,19 @@ from typing import Any
 
 import pytest
 
-from replicas.launcher import free_port
-from scheduler.autoscaler import GaugeActuator, PoolReplicas
-from scheduler.gate import LaneAck
-from scheduler.service import (
+from tidal.clock import ManualClock
+from tidal.fleet import FleetConfig, parse_fleet
+from tidal.replicas.launcher import free_port
+from tidal.scheduler.autoscaler import GaugeActuator, PoolReplicas
+from tidal.scheduler.gate import LaneAck
+from tidal.scheduler.service import (
     PoolActuators,
     SchedulerOptions,
     SchedulerService,
     SchedulerSetupError,
     actuator_kind,
 )
-from scheduler.signals import GroupLoad, LoadReport, PoolLoad, ReplicaView
-from tidal.clock import ManualClock
-from tidal.fleet import FleetConfig, parse_fleet
+from tidal.scheduler.signals import GroupLoad, LoadReport, PoolLoad, ReplicaView
 from tidal.settings import Settings
 
 pytestmark = pytest.mark.anyio
@@ -159,7 +159,7 @@ def test_each_fleet_part_gets_its_loop_and_each_autoscaled_pool_its_actuator() -
 
 
 def test_a_canary_eval_section_scores_each_group_with_the_eval_job_kind(tmp_path: Path) -> None:
-    from scheduler.evals import ReplicaEvalRunner
+    from tidal.scheduler.evals import ReplicaEvalRunner
 
     dataset = tmp_path / "capitals.jsonl"
     dataset.write_text('{"prompt": "Capital of France?", "reference": "Paris"}\n')
@@ -332,8 +332,8 @@ async def test_a_finished_rollout_is_recorded_and_not_repeated_by_the_next_sched
 
 
 async def test_the_probe_generates_one_token_or_embeds_one_word_by_the_pool_model(tmp_path: Path) -> None:
-    from replicas.launcher import sim_process
-    from scheduler.health import CanaryGeneration
+    from tidal.replicas.launcher import sim_process
+    from tidal.scheduler.health import CanaryGeneration
 
     chat = sim_process("fast-test", args=["--served-model-name", "m"], log_path=tmp_path / "chat.log")
     embed = sim_process("e5-mistral-7b-h100", args=["--served-model-name", "e"], log_path=tmp_path / "e5.log")

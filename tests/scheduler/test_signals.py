@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from scheduler.gateway import GatewayAdmin, GatewayError, merge_reports
-from scheduler.signals import LoadReport, PoolLoad, ReplicaView, SignalError
+from tidal.scheduler.gateway import GatewayAdmin, GatewayError, merge_reports
+from tidal.scheduler.signals import LoadReport, PoolLoad, ReplicaView, SignalError
 
 pytestmark = pytest.mark.anyio
 

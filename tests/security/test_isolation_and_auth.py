@@ -18,8 +18,8 @@ import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.auth import KeyStore, Principal
+from tidal.api.app import create_app
+from tidal.api.auth import KeyStore, Principal
 from tidal.fleet import hash_api_key, parse_fleet
 from tidal.settings import Settings
 

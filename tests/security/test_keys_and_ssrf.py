@@ -26,8 +26,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from replicas.launcher import free_port, sim_process
 from tests.api.harness import ACME_KEY, ADMIN_KEY, DEV_KEY, ThreadedServer, fleet_dict, run_gateway
+from tidal.replicas.launcher import free_port, sim_process
 
 pytestmark = pytest.mark.slow
 

@@ -17,11 +17,11 @@ import openai
 import pytest
 import yaml
 
-from replicas.launcher import free_port
 from tidal.cli.platform import embedded_fleet
 from tidal.cli.up import autoscaler_lines
 from tidal.defaults import DEFAULT_FLEET_PATH
 from tidal.fleet import load_fleet, parse_fleet
+from tidal.replicas.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

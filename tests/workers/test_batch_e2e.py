@@ -18,8 +18,6 @@ import openai
 import pytest
 from sqlalchemy import create_engine, text
 
-from priority.queues import Topology, queue_depths
-from replicas.launcher import free_port
 from tests.batch_tier import (
     RABBIT_URL,
     BatchTier,
@@ -33,7 +31,9 @@ from tests.batch_tier import (
     tiny_fleet,
     wait_for,
 )
-from workers.runtime import RUNTIME_REPLICAS_TTL_S
+from tidal.priority.queues import Topology, queue_depths
+from tidal.replicas.launcher import free_port
+from tidal.workers.runtime import RUNTIME_REPLICAS_TTL_S
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.vllm]
 
@@ -187,7 +187,7 @@ def test_cancel_keeps_partial_results(tier: BatchTier) -> None:
 
 
 def test_pausing_the_shared_lane_stops_it_within_seconds_and_resume_finishes(tier: BatchTier) -> None:
-    from workers.control import LaneSwitch
+    from tidal.workers.control import LaneSwitch
 
     topo = Topology(tier.namespace)
     tier.start_worker("shared", concurrency=2)
@@ -227,7 +227,7 @@ def test_pausing_the_shared_lane_stops_it_within_seconds_and_resume_finishes(tie
 def test_a_chunk_past_the_delivery_limit_dead_letters_into_the_error_file(tier: BatchTier) -> None:
     import pika
 
-    from priority.queues import pika_parameters
+    from tidal.priority.queues import pika_parameters
 
     tier.extra_env["TIDAL_DELIVERY_LIMIT"] = "2"
     with tier.gateway() as gw:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tidal.fleet import parse_fleet
-from workers.runtime import chunk_pools
+from tidal.workers.runtime import chunk_pools
 
 FLEET = parse_fleet(
     {

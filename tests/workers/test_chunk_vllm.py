@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from batch_jobs.results import LineResult
-from replicas.client import ReplicaClient
-from replicas.metrics import parse_load_snapshot
-from workers.chunk import ChunkContext, ChunkExecutor, ChunkWork, PendingLine, ReplicaSet, ReplicaSlot
-from workers.middleware import ChunkMiddleware, Metrics, PriorityMapping, Retries
+from tidal.batch_jobs.results import LineResult
+from tidal.replicas.client import ReplicaClient
+from tidal.replicas.metrics import parse_load_snapshot
+from tidal.workers.chunk import ChunkContext, ChunkExecutor, ChunkWork, PendingLine, ReplicaSet, ReplicaSlot
+from tidal.workers.middleware import ChunkMiddleware, Metrics, PriorityMapping, Retries
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
 

@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 
-import workers.app
-import workers.control
-from batch_jobs.store import Store, lane_states
+from tidal.batch_jobs.store import Store, lane_states
 from tidal.settings import Settings
-from workers.control import LaneSwitch, PauseAck
+from tidal.workers import app as workers_app, control as workers_control
+from tidal.workers.control import LaneSwitch, PauseAck
 
 
 class FakeApp:
@@ -38,9 +37,9 @@ def test_a_dropped_broker_connection_is_replaced_once_and_the_pause_confirmed(
             raise ConnectionResetError(104, "Connection reset by peer")
         return PauseAck(lane, "pause", ["shared@a"], True)
 
-    monkeypatch.setattr(workers.control, "_switch", switch)
-    monkeypatch.setattr(workers.control, "publish_lane_control", lambda *a, **kw: None)
-    monkeypatch.setattr(workers.app, "control_app", lambda s: fresh)
+    monkeypatch.setattr(workers_control, "_switch", switch)
+    monkeypatch.setattr(workers_control, "publish_lane_control", lambda *a, **kw: None)
+    monkeypatch.setattr(workers_app, "control_app", lambda s: fresh)
     lane = LaneSwitch(settings, store=store, app=stale)  # type: ignore[arg-type]
 
     ack = lane.pause("shared", "queue wait")

@@ -30,7 +30,7 @@ def tier(tmp_path: Path, vllm_urls: list[str]) -> Iterator[BatchTier]:
 
 
 def test_a_batch_completes_on_the_embedded_broker_and_a_pause_holds(tier: BatchTier) -> None:
-    from workers.control import LaneSwitch
+    from tidal.workers.control import LaneSwitch
 
     tier.start_worker("all", concurrency=2)
     switch = LaneSwitch(tier.settings())

@@ -12,8 +12,8 @@ import httpx
 import numpy as np
 import pytest
 
-from replicas.launcher import ReplicaProcess, sim_process
 from tests.batch_tier import BatchTier, openai_client, read_jsonl, require_rabbitmq, running_tier, wait_for
+from tidal.replicas.launcher import ReplicaProcess, sim_process
 
 pytestmark = pytest.mark.rabbitmq
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from replicas.launcher import ReplicaProcess, sim_process
 from tests.batch_tier import (
     BatchTier,
     chat_lines,
@@ -28,6 +27,7 @@ from tests.batch_tier import (
     running_tier,
     wait_for,
 )
+from tidal.replicas.launcher import ReplicaProcess, sim_process
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
 

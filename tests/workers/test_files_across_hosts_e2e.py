@@ -13,7 +13,6 @@ from typing import Any
 import psycopg
 import pytest
 
-from replicas.launcher import ReplicaProcess, free_port, sim_process
 from tests.batch_tier import (
     BatchTier,
     chat_lines,
@@ -24,6 +23,7 @@ from tests.batch_tier import (
     running_tier,
     wait_for,
 )
+from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
 

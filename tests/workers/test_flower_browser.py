@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from replicas.launcher import free_port
 from tests.batch_tier import ROOT, BatchTier, require_rabbitmq, running_tier, tiny_fleet, wait_for
 from tests.services import headless_chromium
+from tidal.replicas.launcher import free_port
 
 pytestmark = [pytest.mark.browser, pytest.mark.rabbitmq]
 

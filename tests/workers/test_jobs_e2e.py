@@ -13,8 +13,6 @@ import httpx
 import openai
 import pytest
 
-from replicas.client import ReplicaClient
-from replicas.metrics import parse_load_snapshot
 from tests.batch_tier import (
     BatchTier,
     openai_client,
@@ -26,6 +24,8 @@ from tests.batch_tier import (
     tiny_fleet,
     wait_for,
 )
+from tidal.replicas.client import ReplicaClient
+from tidal.replicas.metrics import parse_load_snapshot
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.vllm]
 

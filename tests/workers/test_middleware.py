@@ -8,11 +8,11 @@ import logging
 
 import pytest
 
-from replicas.client import ReplicaClient
-from replicas.errors import ReplicaRequestError, ReplicaServerError, ReplicaTimeout, ReplicaUnavailable
 from tidal.logs import REQUEST_ID, JsonFormatter, RequestIdFilter
-from workers.chunk import ChunkContext, ChunkOutcome, ChunkWork, ReplicaSet, ReplicaSlot
-from workers.middleware import (
+from tidal.replicas.client import ReplicaClient
+from tidal.replicas.errors import ReplicaRequestError, ReplicaServerError, ReplicaTimeout, ReplicaUnavailable
+from tidal.workers.chunk import ChunkContext, ChunkOutcome, ChunkWork, ReplicaSet, ReplicaSlot
+from tidal.workers.middleware import (
     AccessLog,
     Attempt,
     ChunkMiddleware,
@@ -25,7 +25,7 @@ from workers.middleware import (
     emit_after,
     emit_before,
 )
-from workers.runtime import governed_queues, lane_of_hostname
+from tidal.workers.runtime import governed_queues, lane_of_hostname
 
 pytestmark = pytest.mark.anyio
 

@@ -14,8 +14,6 @@ from typing import Any
 import httpx
 import pytest
 
-from replicas.launcher import ReplicaProcess, sim_process
-from replicas.wire.prom import parse_samples
 from tests.batch_tier import (
     BatchTier,
     chat_lines,
@@ -26,6 +24,8 @@ from tests.batch_tier import (
     running_tier,
     wait_for,
 )
+from tidal.replicas.launcher import ReplicaProcess, sim_process
+from tidal.replicas.wire.prom import parse_samples
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
 

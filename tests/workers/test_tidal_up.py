@@ -18,9 +18,9 @@ import openai
 import pytest
 import yaml
 
-from priority.queues import Topology, delete_topology
-from replicas.launcher import free_port
 from tests.batch_tier import RABBIT_URL, ROOT, chat_lines, read_jsonl, wait_for
+from tidal.priority.queues import Topology, delete_topology
+from tidal.replicas.launcher import free_port
 
 
 @pytest.mark.vllm

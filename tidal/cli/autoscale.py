@@ -62,8 +62,8 @@ def import_profile(
 
     Example: tidal autoscale import-profile requests.csv --pool interactive
     """
-    from scheduler.autoscaler.forecast import WEEK_HOURS, HourOfWeekProfile
-    from scheduler.autoscaler.history import HistoryError, read_history
+    from tidal.scheduler.autoscaler.forecast import WEEK_HOURS, HourOfWeekProfile
+    from tidal.scheduler.autoscaler.history import HistoryError, read_history
     from tidal.settings import get_settings
 
     try:

@@ -71,7 +71,7 @@ def bench(ctx: click.Context, name: str | None, quick: bool, out_dir: Path, list
 
     Example: tidal bench routing --quick
     """
-    from bench import BENCHMARKS
+    from tidal.bench import BENCHMARKS
 
     if list_ or not name:
         for n in BENCHMARKS:

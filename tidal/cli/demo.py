@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:
-    from replicas.wire.prom import Sample
+    from tidal.replicas.wire.prom import Sample
 
 __all__ = ["demo"]
 
@@ -106,7 +106,7 @@ def _fleet(plan: Plan, ramp_at: datetime) -> dict[str, Any]:
 
 def _samples(text: str) -> list[Sample]:
     """A ``/metrics`` page's samples; none for a page that is missing or cut short."""
-    from replicas.wire.prom import parse_samples
+    from tidal.replicas.wire.prom import parse_samples
 
     with contextlib.suppress(ValueError):
         return list(parse_samples(text))
@@ -114,7 +114,7 @@ def _samples(text: str) -> list[Sample]:
 
 
 def _mean(samples: list[Sample], name: str, **labels: str) -> float | None:
-    from replicas.wire.prom import sample_total
+    from tidal.replicas.wire.prom import sample_total
 
     count = sample_total(samples, name + "_count", **labels)
     return sample_total(samples, name + "_sum", **labels) / count if count else None
@@ -141,7 +141,7 @@ class Watch:
         self.events.append({"t_s": round(self.t(), 2), "kind": kind, "detail": detail})
 
     def observe(self, load: dict[str, Any], sched: str, gateway: str, worker: str) -> dict[str, Any]:
-        from replicas.wire.prom import sample_total
+        from tidal.replicas.wire.prom import sample_total
 
         s_sched, s_gw, s_worker = _samples(sched), _samples(gateway), _samples(worker)
         pool = (load.get("pools") or {}).get("interactive") or {}

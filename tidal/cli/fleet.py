@@ -22,8 +22,8 @@ def check(path: Path) -> None:
 
     Example: tidal fleet check examples/fleet.yaml
     """
-    from router.loader import check_router
     from tidal.fleet import FleetConfigError, load_fleet
+    from tidal.router.loader import check_router
 
     try:
         cfg = load_fleet(path)

@@ -21,9 +21,9 @@ def flower(host: str, port: int) -> None:
 
     Example: TIDAL_FLOWER_BASIC_AUTH=ops:s3cret tidal flower --port 5555
     """
-    from priority.queues import is_amqp
+    from tidal.priority.queues import is_amqp
     from tidal.settings import get_settings
-    from workers.app import control_app
+    from tidal.workers.app import control_app
 
     settings = get_settings()
     if not is_amqp(settings.broker_url):

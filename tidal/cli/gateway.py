@@ -22,7 +22,7 @@ __all__ = ["gateway"]
 
 def _build_app(path: str) -> ASGIApp:
     """One worker's application (``--workers N``), from the same settings and fleet file."""
-    from api import create_app
+    from tidal.api import create_app
     from tidal.fleet import load_fleet
     from tidal.settings import get_settings
 
@@ -63,8 +63,8 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
     """
     import uvicorn
 
-    from api import create_app
-    from router.loader import RouterConfigError
+    from tidal.api import create_app
+    from tidal.router.loader import RouterConfigError
     from tidal.settings import get_settings
 
     settings = get_settings()
@@ -88,7 +88,7 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
         "gateway on http://%s:%d (fleet %s, %d process(es)%s)", host, port, path, workers, shared
     )
     if workers > 1:
-        from api.serve import serve_workers
+        from tidal.api.serve import serve_workers
 
         del app  # each worker builds its own
         build = functools.partial(_build_app, str(path))

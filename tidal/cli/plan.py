@@ -174,11 +174,11 @@ def plan(
         return
     if not model or not gpu:
         raise click.UsageError("--model and --gpu are required")
-    from replicas.sim.capacity import Slo
-    from scheduler.plan.catalog import CatalogError, load_catalog, load_prices
-    from scheduler.plan.planner import PlanRequest, make_plan, prices_label
-    from scheduler.plan.report import render_html, render_text
-    from scheduler.plan.workload import WorkloadError, load_workload
+    from tidal.replicas.sim.capacity import Slo
+    from tidal.scheduler.plan.catalog import CatalogError, load_catalog, load_prices
+    from tidal.scheduler.plan.planner import PlanRequest, make_plan, prices_label
+    from tidal.scheduler.plan.report import render_html, render_text
+    from tidal.scheduler.plan.workload import WorkloadError, load_workload
 
     if html_path is not None:
         try:
@@ -340,11 +340,11 @@ def compare(
     Example: tidal plan compare --model llama-3.1-70b --gpu h200 --dataset qa.jsonl
     --build bf16:weights=bf16,url=http://10.0.0.5:8000 --build fp8:weights=fp8,url=http://10.0.0.6:8000
     """
-    from replicas.sim.capacity import Slo
-    from scheduler.evals import EvalError
-    from scheduler.plan.catalog import CatalogError, load_catalog, load_prices
-    from scheduler.plan.compare import BuildSpec, compare_builds, render_comparison
-    from scheduler.plan.workload import WorkloadError, load_workload
+    from tidal.replicas.sim.capacity import Slo
+    from tidal.scheduler.evals import EvalError
+    from tidal.scheduler.plan.catalog import CatalogError, load_catalog, load_prices
+    from tidal.scheduler.plan.compare import BuildSpec, compare_builds, render_comparison
+    from tidal.scheduler.plan.workload import WorkloadError, load_workload
 
     specs = [_build(b) for b in builds]
     if len(specs) != 2:

@@ -71,8 +71,8 @@ def embedded_fleet() -> dict[str, Any]:
     names by relative path (the eval set) made absolute, so the copy can be written anywhere."""
     import yaml
 
-    from replicas.launcher import free_port
     from tidal.defaults import DEFAULT_FLEET_PATH
+    from tidal.replicas.launcher import free_port
 
     text = DEFAULT_FLEET_PATH.read_text()
     for old in sorted(set(re.findall(r"127\.0\.0\.1:(8[1-3]\d\d)\b", text))):
@@ -103,7 +103,7 @@ def local_platform(
     """Start ``tidal up`` on ``fleet_path`` (its replicas on the ports it names; the gateway,
     scheduler, worker metrics and Flower on free ones), data and logs under ``workdir``, queues
     of its own on the broker; stop it (Ctrl-C, then kill) on leaving."""
-    from replicas.launcher import free_port
+    from tidal.replicas.launcher import free_port
 
     port, scheduler_port, worker_port, flower_port = (free_port() for _ in range(4))
     key = f"tidal-{secrets.token_urlsafe(16)}"

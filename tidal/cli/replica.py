@@ -39,7 +39,7 @@ def tiny_model(out: Path, adapters: int, seed: int) -> None:
 
     Example: tidal replica tiny-model --out /tmp/tiny --adapters 2
     """
-    from replicas.tiny_model import TinyModelSpec, adapter_dirs, build_tiny_model
+    from tidal.replicas.tiny_model import TinyModelSpec, adapter_dirs, build_tiny_model
 
     model_dir = build_tiny_model(out, adapters=adapters, spec=TinyModelSpec(seed=seed))
     click.echo(f"model: {model_dir}")
@@ -120,7 +120,7 @@ def vllm(
 
     Example: tidal replica vllm --model /tmp/tiny/model --port 8001 --kv-events-port 5557 --max-num-seqs 64
     """
-    from replicas.launcher import ReplicaStartError, kv_events_config, vllm_process
+    from tidal.replicas.launcher import ReplicaStartError, kv_events_config, vllm_process
 
     proc = vllm_process(
         model_dir,

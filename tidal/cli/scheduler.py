@@ -19,8 +19,8 @@ import click
 from tidal.cli.options import fleet_config_option, load_fleet_or_exit
 
 if TYPE_CHECKING:
-    from scheduler.service import SchedulerOptions
     from tidal.fleet import FleetConfig
+    from tidal.scheduler.service import SchedulerOptions
     from tidal.settings import Settings
 
 __all__ = ["scheduler"]
@@ -121,7 +121,7 @@ def scheduler(
 
     from pydantic import ValidationError
 
-    from scheduler.service import SchedulerOptions, SchedulerSetupError
+    from tidal.scheduler.service import SchedulerOptions, SchedulerSetupError
     from tidal.settings import get_settings
 
     try:
@@ -166,9 +166,9 @@ async def _run(
     import asyncio
     import signal
 
-    from scheduler.gateway import GatewayAdmin
-    from scheduler.service import SchedulerService
     from tidal.clock import SystemClock
+    from tidal.scheduler.gateway import GatewayAdmin
+    from tidal.scheduler.service import SchedulerService
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

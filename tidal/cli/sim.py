@@ -202,7 +202,7 @@ def sim(
     kv_events_topic: str,
     prefix_caching_hash_algo: str,
 ) -> None:
-    from replicas.sim.presets import PRESETS
+    from tidal.replicas.sim.presets import PRESETS
 
     if list_presets:
         for name in PRESETS:
@@ -218,8 +218,8 @@ def sim(
         )
     import os
 
-    from replicas.sim.server import ServerConfig, serve
-    from replicas.wire.kv_events import KVEventsConfig
+    from tidal.replicas.sim.server import ServerConfig, serve
+    from tidal.replicas.wire.kv_events import KVEventsConfig
 
     try:
         if kv_events_config is not None and (kv_events_endpoint or kv_events_replay_endpoint):
@@ -286,7 +286,7 @@ def calibrate(as_json: bool) -> None:
 
     Example: tidal sim calibrate --json
     """
-    from replicas.sim.calibrate import run_calibration
+    from tidal.replicas.sim.calibrate import run_calibration
 
     rows = run_calibration()
     if as_json:

@@ -322,9 +322,9 @@ def up(
 
     Example: tidal up --port 8000 --api-key dev-key
     """
-    from replicas.launcher import ReplicaProcess, ReplicaStartError
     from tidal.defaults import DEFAULT_FLEET_PATH
     from tidal.fleet import load_fleet
+    from tidal.replicas.launcher import ReplicaProcess, ReplicaStartError
     from tidal.settings import get_settings
 
     fleet_path = (config or DEFAULT_FLEET_PATH).resolve()

@@ -55,7 +55,7 @@ def worker(
     import logging
 
     from tidal.settings import get_settings
-    from workers.main import run_worker
+    from tidal.workers.main import run_worker
 
     settings = get_settings()
     path, fleet = load_fleet_or_exit(config, settings)

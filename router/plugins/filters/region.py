@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from router.framework import PluginKind
-from router.plugins.base import PluginParams, parse_params
-from router.types import CycleState, ReplicaView, RouteRequest
+from tidal.router.framework import PluginKind
+from tidal.router.plugins.base import PluginParams, parse_params
+from tidal.router.types import CycleState, ReplicaView, RouteRequest
 
 __all__ = ["TYPE", "RegionFilter"]
 

@@ -32,10 +32,10 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from router.framework import PluginKind
-from router.lru import BlockLRU
-from router.plugins.base import PluginParams, parse_params
-from router.types import CycleState, ReplicaView, RouteRequest, StateKey
+from tidal.router.framework import PluginKind
+from tidal.router.lru import BlockLRU
+from tidal.router.plugins.base import PluginParams, parse_params
+from tidal.router.types import CycleState, ReplicaView, RouteRequest, StateKey
 
 __all__ = [
     "INDEX_MATCH",

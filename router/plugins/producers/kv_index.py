@@ -62,12 +62,12 @@ from typing import Any, ClassVar
 from pydantic import Field
 from sortedcontainers import SortedList
 
-from router.framework import PluginKind
-from router.kv_events import BlockHolders
-from router.lru import BlockLRU
-from router.plugins.base import PluginParams, parse_params
-from router.pool import Candidates, PoolCandidates
-from router.types import CycleState, ReplicaView, RouteRequest, StateKey
+from tidal.router.framework import PluginKind
+from tidal.router.kv_events import BlockHolders
+from tidal.router.lru import BlockLRU
+from tidal.router.plugins.base import PluginParams, parse_params
+from tidal.router.pool import Candidates, PoolCandidates
+from tidal.router.types import CycleState, ReplicaView, RouteRequest, StateKey
 
 __all__ = [
     "CACHED_TOKENS",

@@ -42,11 +42,11 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from router.framework import PluginKind
-from router.plugins.base import PluginParams, parse_params
-from router.pool import CANDIDATES, Candidates, ViewCandidates
-from router.ring import BoundedChoice, HashRing, load_bound, stable_hash, walk_to_fit
-from router.types import CycleState, ReplicaView, RouteRequest, StateKey
+from tidal.router.framework import PluginKind
+from tidal.router.plugins.base import PluginParams, parse_params
+from tidal.router.pool import CANDIDATES, Candidates, ViewCandidates
+from tidal.router.ring import BoundedChoice, HashRing, load_bound, stable_hash, walk_to_fit
+from tidal.router.types import CycleState, ReplicaView, RouteRequest, StateKey
 
 __all__ = ["PREFIX_CHOICE", "PREFIX_TYPE", "SESSION_CHOICE", "SESSION_TYPE", "PrefixRing", "SessionRing"]
 

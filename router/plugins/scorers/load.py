@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from router.framework import PluginKind
-from router.plugins.base import PluginParams, parse_params
-from router.types import CycleState, ReplicaView, RouteRequest
+from tidal.router.framework import PluginKind
+from tidal.router.plugins.base import PluginParams, parse_params
+from tidal.router.types import CycleState, ReplicaView, RouteRequest
 
 __all__ = ["TYPE", "LoadScorer"]
 

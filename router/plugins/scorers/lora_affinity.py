@@ -23,11 +23,11 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from router.framework import PluginKind
-from router.plugins.base import PluginParams, parse_params
-from router.pool import CANDIDATES, Candidates, PoolCandidates
-from router.ring import load_bound
-from router.types import CycleState, ReplicaView, RouteRequest
+from tidal.router.framework import PluginKind
+from tidal.router.plugins.base import PluginParams, parse_params
+from tidal.router.pool import CANDIDATES, Candidates, PoolCandidates
+from tidal.router.ring import load_bound
+from tidal.router.types import CycleState, ReplicaView, RouteRequest
 
 __all__ = ["TYPE", "LoraAffinityScorer"]
 

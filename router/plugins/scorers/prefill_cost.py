@@ -39,10 +39,10 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from router.framework import PluginKind
-from router.plugins.base import PluginParams, parse_params
-from router.plugins.producers.kv_index import CACHED_TOKENS, KV_INDEX_TYPE, TAIL_AGE, UNCACHED_SHARE
-from router.types import CycleState, ReplicaView, RouteRequest
+from tidal.router.framework import PluginKind
+from tidal.router.plugins.base import PluginParams, parse_params
+from tidal.router.plugins.producers.kv_index import CACHED_TOKENS, KV_INDEX_TYPE, TAIL_AGE, UNCACHED_SHARE
+from tidal.router.types import CycleState, ReplicaView, RouteRequest
 
 __all__ = ["TYPE", "PrefillCostScorer", "prefill_costs"]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from router.framework import PluginKind
-from router.plugins.base import PluginParams, parse_params
-from router.plugins.producers.block_index import INDEX_MATCH, INDEX_TYPE
-from router.types import CycleState, ReplicaView, RouteRequest
+from tidal.router.framework import PluginKind
+from tidal.router.plugins.base import PluginParams, parse_params
+from tidal.router.plugins.producers.block_index import INDEX_MATCH, INDEX_TYPE
+from tidal.router.types import CycleState, ReplicaView, RouteRequest
 
 __all__ = ["TYPE", "PrefixCacheScorer"]
 

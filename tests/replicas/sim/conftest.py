@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 
-from replicas.launcher import free_port
-from replicas.sim.server import ServerConfig, SimServer
+from tidal.replicas.launcher import free_port
+from tidal.replicas.sim.server import ServerConfig, SimServer
 
 
 class RunningSim:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from replicas.sim.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from tidal.replicas.sim.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def free_ids(pool: BlockPool) -> list[int]:

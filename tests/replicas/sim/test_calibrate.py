@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from replicas.sim.calibrate import POINTS, TOLERANCE_PCT, run_calibration
+from tidal.replicas.sim.calibrate import POINTS, TOLERANCE_PCT, run_calibration
 
 
 def test_every_calibration_point_is_within_tolerance_or_explained() -> None:

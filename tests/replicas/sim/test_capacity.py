@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from replicas.sim.capacity import (
+from tidal.replicas.sim.capacity import (
     CapacityError,
     Slo,
     WorkloadRequest,

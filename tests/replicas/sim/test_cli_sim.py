@@ -7,8 +7,8 @@ import json
 import httpx
 from click.testing import CliRunner
 
-from replicas.launcher import sim_process
 from tidal.cli import cli
+from tidal.replicas.launcher import sim_process
 
 
 def test_list_presets_prints_one_name_a_line() -> None:

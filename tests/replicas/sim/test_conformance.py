@@ -19,8 +19,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from replicas.launcher import sim_process
-from replicas.wire.prom import parse_samples
+from tidal.replicas.launcher import sim_process
+from tidal.replicas.wire.prom import parse_samples
 
 pytestmark = pytest.mark.vllm
 
@@ -308,7 +308,7 @@ def _kv_event_stream(proc: Any, adapter_path: str, salt: str) -> tuple[list[Any]
     import asyncio
     import threading
 
-    from replicas.wire.kv_events import KVEventSubscriber
+    from tidal.replicas.wire.kv_events import KVEventSubscriber
 
     pub, replay = proc.kv_events_addresses()
     rec = _Recorder()
@@ -369,7 +369,7 @@ def _kv_event_stream(proc: Any, adapter_path: str, salt: str) -> tuple[list[Any]
 def _shape(events: list[Any]) -> list[tuple[Any, ...]]:
     """Each event with its block hashes named by first appearance (b0, b1, ...), so a removal
     names the block it removes whatever the hash values are."""
-    from replicas.wire.kv_events import BlockRemoved, BlockStored
+    from tidal.replicas.wire.kv_events import BlockRemoved, BlockStored
 
     names: dict[Any, str] = {}
 
@@ -436,7 +436,7 @@ def test_simulator_publishes_the_kv_events_real_vllm_publishes(kv_pair: Any, tin
     assert {"stored", "removed", "AllBlocksCleared"} <= set(kinds), kinds
     # And the same hashes wherever the blocks hold the same tokens (prompt blocks; generated
     # tokens differ between the two models).
-    from replicas.wire.kv_events import BlockStored
+    from tidal.replicas.wire.kv_events import BlockStored
 
     same = 0
     for a, b in zip(rv, sv, strict=True):

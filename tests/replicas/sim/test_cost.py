@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from replicas.sim.cost import H100, H200, LLAMA_3_1_8B, LLAMA_3_1_70B, LLAMA_3_1_70B_FP8, CostModel
-from replicas.sim.presets import PRESETS, get_preset
+from tidal.replicas.sim.cost import H100, H200, LLAMA_3_1_8B, LLAMA_3_1_70B, LLAMA_3_1_70B_FP8, CostModel
+from tidal.replicas.sim.presets import PRESETS, get_preset
 
 REQUIRED = {
     "tiny-cpu",

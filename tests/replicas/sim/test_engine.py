@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from replicas.metrics import parse_load_snapshot
-from replicas.sim.engine import SimEngine
-from replicas.sim.request import Request
-from replicas.wire.prom import parse_samples
+from tidal.replicas.metrics import parse_load_snapshot
+from tidal.replicas.sim.engine import SimEngine
+from tidal.replicas.sim.request import Request
+from tidal.replicas.wire.prom import parse_samples
 
 
 def run_to_end(e: SimEngine, t: float = 0.0) -> float:

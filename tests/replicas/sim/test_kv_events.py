@@ -13,9 +13,10 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from replicas.launcher import free_port
-from replicas.sim.engine import SimEngine
-from replicas.wire.kv_events import (
+from tests.replicas.sim.conftest import run_sim
+from tidal.replicas.launcher import free_port
+from tidal.replicas.sim.engine import SimEngine
+from tidal.replicas.wire.kv_events import (
     AllBlocksCleared,
     BlockHasher,
     BlockRemoved,
@@ -26,7 +27,6 @@ from replicas.wire.kv_events import (
     KVEventSubscriber,
     external_hash,
 )
-from tests.replicas.sim.conftest import run_sim
 
 BS = 16
 

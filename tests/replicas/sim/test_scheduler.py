@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from replicas.sim.block_pool import BlockPool
-from replicas.sim.kv_cache_manager import KVCacheManager
-from replicas.sim.request import Request, RequestStatus
-from replicas.sim.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tidal.replicas.sim.block_pool import BlockPool
+from tidal.replicas.sim.kv_cache_manager import KVCacheManager
+from tidal.replicas.sim.request import Request, RequestStatus
+from tidal.replicas.sim.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 16
 

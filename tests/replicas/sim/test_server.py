@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from replicas.metrics import parse_load_snapshot
-from replicas.wire.prom import parse_samples
 from tests.replicas.sim.conftest import RunningSim
+from tidal.replicas.metrics import parse_load_snapshot
+from tidal.replicas.wire.prom import parse_samples
 
 pytestmark = pytest.mark.anyio
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from replicas.sim.traces import (
+from tidal.replicas.sim.traces import (
     TraceRequest,
     belady_hit_ratio,
     block_hashes,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
+from tidal.replicas.sim.virtual import SimRequest, SimResult, VirtualCluster
 
 
 def test_a_request_runs_and_reports_its_timings() -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from replicas.errors import ReplicaStreamError, ReplicaTimeout, ReplicaUnavailable
-from replicas.launcher import free_port
-from replicas.wire.http1 import ConnectionPool
+from tidal.replicas.errors import ReplicaStreamError, ReplicaTimeout, ReplicaUnavailable
+from tidal.replicas.launcher import free_port
+from tidal.replicas.wire.http1 import ConnectionPool
 
 pytestmark = pytest.mark.anyio
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from replicas.errors import ReplicaStreamError, ReplicaUnavailable
-from replicas.wire.http1 import ConnectionPool, HeaderError
-from replicas.wire.sse import SSEDecoder
+from tidal.replicas.errors import ReplicaStreamError, ReplicaUnavailable
+from tidal.replicas.wire.http1 import ConnectionPool, HeaderError
+from tidal.replicas.wire.sse import SSEDecoder
 
 pytestmark = pytest.mark.anyio
 

@@ -17,8 +17,9 @@ import msgspec
 import pytest
 import zmq
 
-from replicas.launcher import free_port
-from replicas.wire.kv_events import (
+from tidal.clock import ManualClock
+from tidal.replicas.launcher import free_port
+from tidal.replicas.wire.kv_events import (
     AllBlocksCleared,
     BlockHasher,
     BlockRemoved,
@@ -32,7 +33,6 @@ from replicas.wire.kv_events import (
     external_hash,
     is_bind_endpoint,
 )
-from tidal.clock import ManualClock
 
 # KVEventBatch(ts=1700000000.5, events=[BlockStored x2, BlockRemoved, AllBlocksCleared],
 # data_parallel_rank=0) as vLLM 0.32's msgspec encoder writes it.

@@ -20,7 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from replicas.wire.prom import (
+from tidal.replicas.wire.prom import (
     Histogram,
     LabelledHistogram,
     PromParseError,
@@ -243,7 +243,7 @@ def test_any_text_is_read_or_refused_with_a_parse_error(text: str) -> None:
 
 
 def test_the_canonical_path_reads_the_simulators_page() -> None:
-    from replicas.sim.engine import SimEngine
+    from tidal.replicas.sim.engine import SimEngine
 
     e = SimEngine("llama-3.1-8b-h100", max_loras=2)
     e.add_request(e.make_request("r", prompt_token_ids=list(range(40)), max_tokens=4), now=0.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from replicas.wire.sse import Event, SSEDecoder, SSEError
+from tidal.replicas.wire.sse import Event, SSEDecoder, SSEError
 
 
 def _decode(*pieces: bytes) -> list[Event]:

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
-from replicas.sim.capacity import CapacityError, Slo
-from scheduler.autoscaler import (
+from tidal.clock import ManualClock
+from tidal.fleet import AutoscalerSpec, FleetConfig, parse_fleet
+from tidal.replicas.sim.capacity import CapacityError, Slo
+from tidal.scheduler.autoscaler import (
     Autoscaler,
     GaugeActuator,
     OnlineCapacity,
@@ -19,11 +21,9 @@ from scheduler.autoscaler import (
     make_policy,
     plan_capacity,
 )
-from scheduler.autoscaler.capacity import read_plan_file
-from scheduler.metrics import SchedulerMetrics
-from scheduler.signals import PoolLoad
-from tidal.clock import ManualClock
-from tidal.fleet import AutoscalerSpec, FleetConfig, parse_fleet
+from tidal.scheduler.autoscaler.capacity import read_plan_file
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.signals import PoolLoad
 
 pytestmark = pytest.mark.anyio
 

@@ -6,14 +6,14 @@ from datetime import UTC, datetime
 
 import pytest
 
-from scheduler.autoscaler.forecast import (
+from tidal.fleet import ScheduledEventSpec
+from tidal.scheduler.autoscaler.forecast import (
     EventCalendar,
     Forecaster,
     HourOfWeekProfile,
     ScheduledEvent,
     hour_of_week,
 )
-from tidal.fleet import ScheduledEventSpec
 
 MONDAY = datetime(2024, 1, 1, tzinfo=UTC).timestamp()  # a Monday, 00:00 UTC
 H = 3600.0

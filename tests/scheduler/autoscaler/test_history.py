@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from scheduler.autoscaler.forecast import hour_of_week
-from scheduler.autoscaler.history import HistoryError, read_history
+from tidal.scheduler.autoscaler.forecast import hour_of_week
+from tidal.scheduler.autoscaler.history import HistoryError, read_history
 
 MONDAY = datetime(2026, 3, 2, tzinfo=UTC).timestamp()  # 00:00 UTC
 

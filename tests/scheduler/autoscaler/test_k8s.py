@@ -15,9 +15,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from scheduler.signals import ReplicaView
 from tests.services import require_module
 from tidal.fleet import KubernetesTargetSpec
+from tidal.scheduler.signals import ReplicaView
 
 pytestmark = pytest.mark.anyio
 
@@ -197,7 +197,7 @@ def actuator(
 ) -> Any:
     from kubernetes import client
 
-    from scheduler.autoscaler.k8s import KubernetesActuator
+    from tidal.scheduler.autoscaler.k8s import KubernetesActuator
 
     config = client.Configuration(host=str(server.server.make_url("")).rstrip("/"))
     config.api_key = {"BearerToken": token}

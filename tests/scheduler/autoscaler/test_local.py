@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from replicas.launcher import ReplicaProcess
-from scheduler.autoscaler.actuators import PoolReplicas
-from scheduler.autoscaler.local import LocalProcessActuator, LocalTemplate
-from scheduler.signals import ReplicaView
+from tidal.replicas.launcher import ReplicaProcess
+from tidal.scheduler.autoscaler.actuators import PoolReplicas
+from tidal.scheduler.autoscaler.local import LocalProcessActuator, LocalTemplate
+from tidal.scheduler.signals import ReplicaView
 
 pytestmark = pytest.mark.anyio
 
@@ -196,7 +196,7 @@ async def test_a_replica_started_for_a_pool_whose_replicas_publish_kv_events_ann
     their own, and register with where they publish, so the gateways follow them at once."""
     import zmq
 
-    from replicas.wire.kv_events import decode_batch
+    from tidal.replicas.wire.kv_events import decode_batch
 
     registry = Registry()
     template = LocalTemplate(kind="sim", preset="fast-test", served_model_name="m", kv_events=True)

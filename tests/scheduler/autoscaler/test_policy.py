@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from scheduler.autoscaler.policy import POLICIES, ReactivePolicy, ScaleInput, TidalPolicy, make_policy
-from scheduler.signals import PoolLoad
 from tidal.fleet import AutoscalerSpec
+from tidal.scheduler.autoscaler.policy import POLICIES, ReactivePolicy, ScaleInput, TidalPolicy, make_policy
+from tidal.scheduler.signals import PoolLoad
 
 SPEC = AutoscalerSpec(
     min_replicas=1,

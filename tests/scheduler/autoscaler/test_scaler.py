@@ -10,7 +10,9 @@ import asyncio
 
 import pytest
 
-from scheduler.autoscaler import (
+from tidal.clock import ManualClock
+from tidal.fleet import AutoscalerSpec
+from tidal.scheduler.autoscaler import (
     Autoscaler,
     AutoscalerLoop,
     Forecaster,
@@ -20,10 +22,8 @@ from scheduler.autoscaler import (
     StaticCapacity,
     make_policy,
 )
-from scheduler.metrics import SchedulerMetrics
-from scheduler.signals import LoadReport, PoolLoad
-from tidal.clock import ManualClock
-from tidal.fleet import AutoscalerSpec
+from tidal.scheduler.metrics import SchedulerMetrics
+from tidal.scheduler.signals import LoadReport, PoolLoad
 
 pytestmark = pytest.mark.anyio
 

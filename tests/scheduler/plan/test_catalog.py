@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from replicas.sim.presets import get_preset
-from scheduler.plan.catalog import CatalogError, load_catalog, load_prices
-from scheduler.plan.planner import GIB, kv_tokens_in
+from tidal.replicas.sim.presets import get_preset
+from tidal.scheduler.plan.catalog import CatalogError, load_catalog, load_prices
+from tidal.scheduler.plan.planner import GIB, kv_tokens_in
 
 
 def test_kv_bytes_per_token_follow_the_model_shape() -> None:

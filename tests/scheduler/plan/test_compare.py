@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from replicas.launcher import ReplicaProcess
-from replicas.words import COMMON_WORDS
-from scheduler.plan.compare import _recommend, newcombe_interval
 from tests.scheduler.plan.workloads import write_profile
 from tests.scheduler.processes import sim_replicas, write_eval_files
 from tidal.cli import cli
+from tidal.replicas.launcher import ReplicaProcess
+from tidal.replicas.words import COMMON_WORDS
+from tidal.scheduler.plan.compare import _recommend, newcombe_interval
 
 ITEMS = [(f"Name the two words of item {i}.", f"{COMMON_WORDS[i]} {COMMON_WORDS[-1 - i]}") for i in range(40)]
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from replicas.sim.presets import get_preset
-from replicas.sim.traces import TraceRequest
-from scheduler.plan.model import predict_fleet
-from scheduler.plan.replay import quantile, replay_fleet
-from scheduler.plan.workload import Workload, load_workload
 from tests.scheduler.plan.workloads import write_profile
+from tidal.replicas.sim.presets import get_preset
+from tidal.replicas.sim.traces import TraceRequest
+from tidal.scheduler.plan.model import predict_fleet
+from tidal.scheduler.plan.replay import quantile, replay_fleet
+from tidal.scheduler.plan.workload import Workload, load_workload
 
 
 def test_nearest_rank_quantile() -> None:

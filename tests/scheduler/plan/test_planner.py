@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from replicas.sim.capacity import Slo
-from scheduler.plan.catalog import load_catalog, load_prices
-from scheduler.plan.planner import PlanRequest, break_even, make_plan, reserved_count, week_plan
-from scheduler.plan.workload import load_workload
 from tests.scheduler.plan.workloads import write_profile
+from tidal.replicas.sim.capacity import Slo
+from tidal.scheduler.plan.catalog import load_catalog, load_prices
+from tidal.scheduler.plan.planner import PlanRequest, break_even, make_plan, reserved_count, week_plan
+from tidal.scheduler.plan.workload import load_workload
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from replicas.sim.traces import TraceRequest
-from scheduler.plan.workload import Workload, WorkloadError, load_workload, weekly_shape
 from tests.scheduler.plan.workloads import write_profile
+from tidal.replicas.sim.traces import TraceRequest
+from tidal.scheduler.plan.workload import Workload, WorkloadError, load_workload, weekly_shape
 
 
 def _w(*lengths: tuple[int, int], features: tuple[str, ...] = ()) -> Workload:
