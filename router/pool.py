@@ -10,6 +10,8 @@ visiting every replica (:meth:`router.framework.Profile.run` at pool scale):
   loaded come first without a scan;
 * the names of replicas at their in-flight cap, and the pool's totals of load and prefill tokens,
   so a ring's bound is the same mean as over every candidate;
+* the names of replicas whose views carry a KV-event index (``publishing``), so a producer
+  finds one without a scan;
 * ``version``, which moves when anything the filters read changes (health, weights, groups,
   adapters, membership) and not when load does: filter results are cached under it
   (:meth:`memo`).
@@ -65,6 +67,7 @@ class PoolIndex(Sequence[ReplicaView]):
         self._order: SortedList = SortedList()
         self._counted: dict[str, tuple[float, int, str]] = {}
         self.full: set[str] = set()  # at or over their in-flight cap
+        self.publishing: dict[str, None] = {}  # whose views carry a KV-event index (in order)
         self.prefill_total = 0
         self.load_total = 0.0
         self.version = 0  # what filters read (see _membership), or who is in the pool, changed
@@ -128,6 +131,7 @@ class PoolIndex(Sequence[ReplicaView]):
             self.load_total -= key[0]
             self.prefill_total -= key[1]
             self.full.discard(old.name)
+            self.publishing.pop(old.name, None)
         if new is not None:
             key = _order_key(new)
             self._counted[new.name] = key
@@ -136,6 +140,8 @@ class PoolIndex(Sequence[ReplicaView]):
             self.prefill_total += key[1]
             if new.inflight >= new.cap:
                 self.full.add(new.name)
+            if new.kv_events is not None:
+                self.publishing[new.name] = None
 
     # -- reading (the router) -----------------------------------------------------------------------
 

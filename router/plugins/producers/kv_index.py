@@ -140,6 +140,7 @@ class KVIndex:
         # Replicas whose cache is full, by the last use of their least recently used block.
         self._tails = SortedList()
         self._tail_of: dict[str, float] = {}
+        self._full_version = 0  # moves when a replica's cache fills or gets room again
 
     @classmethod
     def from_config(cls, name: str, params: Mapping[str, Any] | None = None) -> KVIndex:
@@ -228,6 +229,8 @@ class KVIndex:
         if tail is not None:
             self._tail_of[name] = tail
             self._tails.add((tail, name))
+        if (old_tail is None) != (tail is None):
+            self._full_version += 1
 
     def nominate(self, request: RouteRequest, candidates: Candidates, state: CycleState) -> Iterable[str]:
         """The candidates holding the longest runs of the prompt, by the estimate and, where
@@ -250,11 +253,28 @@ class KVIndex:
                 out.append(name)
                 tails += 1
         if isinstance(candidates, PoolCandidates) and len(self._tail_of) > 0:
-            for v in candidates.pool.least_loaded():  # one with room: no tail entry
-                if v.name not in self._tail_of and v.name in candidates:
-                    out.append(v.name)
-                    break
+            roomy = self._least_loaded_with_room(candidates)
+            if roomy is not None:
+                out.append(roomy)
         return out
+
+    def _least_loaded_with_room(self, candidates: PoolCandidates) -> str | None:
+        """The least loaded candidate whose cache has room (no tail entry), without walking the
+        pool: the pool's replicas with room are kept (in the pool's memo, so membership changes
+        clear them) and recounted only when a cache fills or gets room again."""
+        pool = candidates.pool
+        kept: list[Any] = pool.memo((self.TYPE, id(self), "room"), lambda: [-1, frozenset()])
+        if kept[0] != self._full_version:
+            tail_of = self._tail_of
+            kept[:] = [self._full_version, frozenset(n for n in pool.names() if n not in tail_of)]
+        room: frozenset[str] = kept[1]
+        if len(room) * _SPARSE > len(pool):  # many: met early walking the load order
+            for v in pool.least_loaded():
+                if v.name in room and v.name in candidates:
+                    return v.name
+            return None
+        inside = [n for n in room if n in candidates]
+        return min(inside, key=pool.order_key) if inside else None
 
     @staticmethod
     def _exact_holders(
@@ -264,8 +284,10 @@ class KVIndex:
         pool's replicas push events and the prompt could be tokenised."""
         if request.engine_keys is None or not isinstance(candidates, PoolCandidates):
             return None
-        for v in candidates.pool:  # the first replica with a subscription speaks for the pool
-            idx = v.kv_events
+        pool = candidates.pool
+        for name in pool.publishing:  # the first replica with a subscription speaks for the pool
+            v = pool.view(name)
+            idx = v.kv_events if v is not None else None
             if idx is not None and idx.holders is not None and idx.block_size:
                 return idx.holders, request.engine_keys(idx.block_size)
         return None
