@@ -28,7 +28,8 @@ import math
 from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
-from itertools import repeat
+from itertools import compress, repeat
+from operator import eq
 
 __all__ = ["BlockLRU"]
 
@@ -80,11 +81,19 @@ class BlockLRU:
         keys, times, h = self._keys, self._times, self._head
         gone: list[int] = []
         while len(last) > capacity:
-            key = keys[h]
-            if last.get(key) == times[h]:
-                del last[key]
-                gone.append(key)
-            h += 1
+            # A stretch of the log from its head, judged at C speed: an entry is live when it is
+            # its key's latest touch (a key touched again has a later entry; a gone key has none).
+            excess = len(last) - capacity
+            end = min(len(keys), h + 2 * excess + 16)
+            live = list(compress(range(h, end), map(eq, map(last.get, keys[h:end]), times[h:end])))
+            if len(live) > excess:
+                del live[excess:]
+                end = live[-1] + 1
+            # (a key listed twice in one touch has two live entries: counted once)
+            batch = list(dict.fromkeys(map(keys.__getitem__, live)))
+            deque(map(last.__delitem__, batch), maxlen=0)
+            gone += batch
+            h = end
         self._head = h
         if h > _COMPACT_MIN and 2 * h > len(keys):
             del keys[:h]

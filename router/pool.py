@@ -63,7 +63,9 @@ class PoolIndex(Sequence[ReplicaView]):
         self._states: list[ReplicaState] = []
         self._views: list[ReplicaView] = []
         self._slot: dict[str, int] = {}
-        self._dirty: set[int] = set()  # slots whose state changed since their view was built
+        # Slots whose state changed since their view was built -> whether what the filters read
+        # may have changed too (not after a write that moves only load).
+        self._dirty: dict[int, bool] = {}
         self._order: SortedList = SortedList()
         self._counted: dict[str, tuple[float, int, str]] = {}
         self.full: set[str] = set()  # at or over their in-flight cap
@@ -89,7 +91,7 @@ class PoolIndex(Sequence[ReplicaView]):
     def remove(self, state: ReplicaState) -> None:
         slot = self._slot.pop(state.name)
         self._account(self._views[slot], None)
-        self._dirty.discard(slot)
+        self._dirty.pop(slot, None)
         last = len(self._states) - 1
         if slot != last:  # the last one moves into the hole
             moved = self._states[last]
@@ -97,29 +99,30 @@ class PoolIndex(Sequence[ReplicaView]):
             self._views[slot] = self._views[last]
             self._slot[moved.name] = slot
             if last in self._dirty:
-                self._dirty.discard(last)
-                self._dirty.add(slot)
+                self._dirty[slot] = self._dirty.pop(last)
         self._states.pop()
         self._views.pop()
         self.version += 1
         self.names_version += 1
 
-    def changed(self, state: ReplicaState) -> None:
-        """``state`` was written: its view is rebuilt at the next :meth:`refresh`."""
+    def changed(self, state: ReplicaState, *, load_only: bool = False) -> None:
+        """``state`` was written: its view is rebuilt at the next :meth:`refresh`; ``load_only``:
+        the write moved only load (the filters' cached results stand without a check)."""
         slot = self._slot.get(state.name)
         if slot is not None and self._states[slot] is state:
-            self._dirty.add(slot)
+            dirty = self._dirty
+            dirty[slot] = dirty.get(slot, False) or not load_only
 
     def refresh(self) -> PoolIndex:
         """Rebuild the views of the replicas that changed; returns ``self``."""
         if self._dirty:
-            dirty, self._dirty = self._dirty, set()
-            for slot in dirty:
-                old = self._views[slot]
-                new = self._states[slot].view()
-                self._views[slot] = new
+            dirty, self._dirty = self._dirty, {}
+            views, states = self._views, self._states
+            for slot, membership in dirty.items():
+                old = views[slot]
+                new = views[slot] = states[slot].view()
                 self._account(old, new)
-                if _membership(old) != _membership(new):
+                if membership and _membership(old) != _membership(new):
                     self.version += 1
         return self
 

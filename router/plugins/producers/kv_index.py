@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -95,22 +96,17 @@ class Params(PluginParams):
     nominees: int = Field(default=8, ge=1, le=1024)
 
 
-def leading_run(held: Mapping[int, Any], blocks: Sequence[int]) -> int:
+def leading_run(held: Mapping[int, Any], blocks: Sequence[int], reverse: Sequence[int] | None = None) -> int:
     """How many of ``blocks`` lead the sequence inside ``held``, assuming what is held of the
-    chain is a prefix of it (binary search; none and all are answered first, in one probe)."""
+    chain is a prefix of it (binary search at C speed over ``reverse``, the blocks last to first,
+    given when the caller has it; none and all are answered first, in one probe)."""
     hi = len(blocks)
     if not hi or blocks[0] not in held:
         return 0
     if blocks[-1] in held:
         return hi
-    lo = 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if blocks[mid - 1] in held:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    # Last to first, the blocks go from not held to held: the first held is where the run ends.
+    return hi - bisect_left(blocks[::-1] if reverse is None else reverse, True, key=held.__contains__)
 
 
 def recent_run(held: Mapping[int, float], blocks: Sequence[int], since: float) -> int:
@@ -141,6 +137,7 @@ class KVIndex:
         self._tails = SortedList()
         self._tail_of: dict[str, float] = {}
         self._full_version = 0  # moves when a replica's cache fills or gets room again
+        self._capacity: dict[str, tuple[Any, int, int]] = {}  # name -> (snapshot, block tokens, blocks)
 
     @classmethod
     def from_config(cls, name: str, params: Mapping[str, Any] | None = None) -> KVIndex:
@@ -148,10 +145,17 @@ class KVIndex:
 
     def capacity(self, replica: ReplicaView, block_tokens: int) -> int:
         """Blocks of ``block_tokens`` the replica's KV cache holds (bounded by the parameters)."""
+        # Kept per replica while its snapshot stands (a scrape brings a new one): the decision
+        # asks for every candidate's.
+        kept = self._capacity.get(replica.name)
+        if kept is not None and kept[0] is replica.snapshot and kept[1] == block_tokens:
+            return kept[2]
         blocks = replica.kv_blocks(block_tokens)
         if blocks is None:
             blocks = max(1, self.params.capacity_tokens // max(1, block_tokens))
-        return min(self.params.max_blocks_per_replica, blocks)
+        cap = min(self.params.max_blocks_per_replica, blocks)
+        self._capacity[replica.name] = (replica.snapshot, block_tokens, cap)
+        return cap
 
     def produce(
         self,
@@ -165,13 +169,24 @@ class KVIndex:
         tokens = request.prompt_tokens or len(blocks) * bt
         cached: dict[str, int] = {}
         tail_age: dict[str, float] = {}
+        share: dict[str, float] = {}
         now = state.now
         engine_keys = request.engine_keys
         exact = 0
+        lrus, sent_sums, inf = self._lru, self._sent, math.inf
+        reverse = blocks[::-1]
         for c in candidates:
-            lru = self._lru.get(c.name)
-            held = lru.held if lru is not None else _EMPTY
-            est = min(tokens, leading_run(held, blocks) * bt) if blocks else 0
+            name = c.name
+            lru = lrus.get(name)
+            if lru is None:
+                cached[name] = 0
+                tail_age[name] = inf
+                held: Mapping[int, float] = _EMPTY
+            else:
+                held = lru.held
+                cached[name] = min(tokens, leading_run(held, blocks, reverse) * bt) if blocks else 0
+                oldest = lru.oldest() if len(lru) >= self.capacity(c, bt) else None
+                tail_age[name] = inf if oldest is None else max(0.0, now - oldest)
             idx = c.kv_events
             if idx is not None and engine_keys is not None and now - idx.as_of <= self.params.max_staleness_s:
                 bs = idx.block_size
@@ -182,23 +197,18 @@ class KVIndex:
                         if blocks
                         else 0
                     )
-                    est = max(hit, sent)
+                    cached[name] = max(hit, sent)
                 else:
-                    est = max(hit, est)
+                    cached[name] = max(hit, cached[name])
                 exact += 1
-            cached[c.name] = est
-            oldest = lru.oldest() if lru is not None and len(lru) >= self.capacity(c, bt) else None
-            tail_age[c.name] = math.inf if oldest is None else max(0.0, now - oldest)
+            uncached, total = sent_sums.get(name, (1.0, 1.0))
+            share[name] = uncached / total if total > 0 else 1.0
         if candidates:
             state.notes["kv_index"] = (
                 "exact" if exact == len(candidates) else "estimate" if exact == 0 else "mixed"
             )
         state.put(CACHED_TOKENS, cached)
         state.put(TAIL_AGE, tail_age)
-        share: dict[str, float] = {}
-        for c in candidates:
-            uncached, total = self._sent.get(c.name, (1.0, 1.0))
-            share[c.name] = uncached / total if total > 0 else 1.0
         state.put(UNCACHED_SHARE, share)
 
     def after_pick(self, request: RouteRequest, picked: ReplicaView, state: CycleState) -> None:
@@ -220,8 +230,11 @@ class KVIndex:
         for i in _levels(len(blocks)):
             holders.add(blocks[i], bit)
         cap = self.capacity(picked, max(1, request.block_tokens))
-        for b in lru.evict_to(cap):
-            holders.discard(b, bit)
+        gone = lru.evict_to(cap)
+        if gone:
+            # Only the level blocks are in the inverted index: found among the evicted at C speed.
+            for b in holders.masks.keys() & gone:
+                holders.discard(b, bit)
         tail = lru.oldest() if len(lru) >= cap else None
         old_tail = self._tail_of.pop(name, None)
         if old_tail is not None:
