@@ -29,7 +29,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from itertools import filterfalse
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from sortedcontainers import SortedList
@@ -175,6 +176,12 @@ class PoolIndex(Sequence[ReplicaView]):
         last counted."""
         return self._counted[name]
 
+    @property
+    def order_keys(self) -> Mapping[str, tuple[float, int, str]]:
+        """:meth:`order_key` of every replica, as a mapping (read only; its ``__getitem__`` is a
+        sort key at C speed)."""
+        return self._counted
+
     def least_loaded(self) -> Iterator[ReplicaView]:
         """Every replica, least loaded first (fewest requests, then fewest queued prefill tokens)."""
         views, slot = self._views, self._slot
@@ -290,6 +297,11 @@ class PoolCandidates(Candidates):
 
     def __contains__(self, name: object) -> bool:
         return name in self.members and name not in self._out
+
+    def among(self, names: Iterable[str]) -> list[str]:
+        """Those of ``names`` that are candidates, in their order (at C speed)."""
+        inside = list(filter(self.members.__contains__, names))
+        return list(filterfalse(self._out.__contains__, inside)) if self._out else inside
 
     def __len__(self) -> int:
         return len(self.members) - len(self._out)

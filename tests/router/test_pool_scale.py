@@ -16,7 +16,7 @@ from replicas.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored,
 from router.kv_events import BlockHolders, PromptKeys, ReplicaBlockIndex
 from router.loader import build_router
 from router.metrics import RouterMetrics
-from router.plugins.producers.kv_index import KVIndex, Params as KVParams
+from router.plugins.producers.kv_index import KVIndex, Params as KVParams, _set_bits
 from router.pool import PoolCandidates, PoolIndex
 from router.profiles import BUILTIN_PROFILES
 from router.registry import ReplicaRegistry
@@ -226,3 +226,23 @@ def test_the_replica_with_room_is_the_least_loaded_candidate_without_a_tail(
             (v.name for v in pool.least_loaded() if v.name not in kv._tail_of and v.name in cands), None
         )
         assert kv._least_loaded_with_room(cands) == expected
+
+
+@given(st.integers(1, 1 << 3000))
+def test_the_bits_of_a_holders_mask_are_listed_lowest_first(held: int) -> None:
+    assert _set_bits(held) == [i for i in range(held.bit_length()) if held >> i & 1]
+
+
+@given(st.lists(st.integers(0, 40), unique=True), st.sets(st.integers(0, 40)), st.sets(st.integers(0, 40)))
+def test_among_keeps_the_candidates_in_order(names: list[int], members: set[int], excluded: set[int]) -> None:
+    registry = ReplicaRegistry.from_fleet(bench_fleet(41), ManualClock())
+    pool = registry.views(rs.POOL)
+    every = pool.names()
+    cands = PoolCandidates(
+        pool,
+        frozenset(every[i] for i in members),
+        frozenset(every[i] for i in set(range(41)) - members),
+        exclude=frozenset(every[i] for i in excluded),
+    )
+    asked = [every[i] for i in names]
+    assert cands.among(asked) == [n for n in asked if n in cands]

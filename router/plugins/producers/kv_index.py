@@ -60,6 +60,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 from pydantic import Field
 from sortedcontainers import SortedList
 
@@ -347,19 +348,33 @@ def _least_loaded_of(
                     break
         return out
     found: list[str] = []
-    while held:
-        low = held & -held
-        name = names[low.bit_length() - 1]
-        if name is not None and name in candidates:
-            found.append(name)
-        held ^= low
+    if isinstance(candidates, PoolCandidates) and count > _LISTED_IN_C:
+        found = candidates.among(filter(None, map(names.__getitem__, _set_bits(held))))
+    else:
+        while held:
+            low = held & -held
+            name = names[low.bit_length() - 1]
+            if name is not None and name in candidates:
+                found.append(name)
+            held ^= low
     if len(found) <= k:
         return found
     if isinstance(candidates, PoolCandidates):
-        return heapq.nsmallest(k, found, key=candidates.pool.order_key)
+        return heapq.nsmallest(k, found, key=candidates.pool.order_keys.__getitem__)
     views = [w for n in found if (w := candidates.view(n)) is not None]
     views.sort(key=lambda w: (w.load, w.prefill_tokens, w.name))
     return [w.name for w in views[:k]]
+
+
+_LISTED_IN_C = 8  # holders above this many are listed by numpy, not bit by bit
+
+
+def _set_bits(held: int) -> list[int]:
+    """The positions of the bits set in ``held``, lowest first, at C speed (a pool's mask has
+    a bit per replica: thousands)."""
+    raw = np.frombuffer(held.to_bytes((held.bit_length() + 7) // 8, "little"), np.uint8)
+    positions: list[int] = np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+    return positions
 
 
 _EMPTY: dict[int, float] = {}
