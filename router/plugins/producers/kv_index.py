@@ -54,7 +54,6 @@ Config example::
 
 from __future__ import annotations
 
-import heapq
 import math
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
@@ -360,7 +359,7 @@ def _least_loaded_of(
     if len(found) <= k:
         return found
     if isinstance(candidates, PoolCandidates):
-        return heapq.nsmallest(k, found, key=candidates.pool.order_keys.__getitem__)
+        return sorted(found, key=candidates.pool.order_keys.__getitem__)[:k]  # (a sort in C)
     views = [w for n in found if (w := candidates.view(n)) is not None]
     views.sort(key=lambda w: (w.load, w.prefill_tokens, w.name))
     return [w.name for w in views[:k]]
