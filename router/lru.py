@@ -8,7 +8,8 @@ plain ``dict`` of int keys and float times (CPython stops tracking a dict that h
 values; a touch removes and re-inserts its keys at C speed, so the dict is in LRU order) and a
 log of touches in two ``array`` buffers. A touch appends to the log; an eviction pops the log's
 head and drops the key only if that entry is its latest touch (a key touched again has a later
-entry), without the scan past deleted slots that taking a dict's first key would cost. When
+entry), without the scan past deleted slots that taking a dict's first key would cost; it judges
+a stretch of the log at a time with ``map`` and ``compress``, at C speed. When
 stale entries outnumber live ones the log is rebuilt from the dict: a copy, not a sort, so it
 costs about a millisecond at a replica's full KV size.
 
