@@ -8,7 +8,8 @@ plain ``dict`` of int keys and float times (CPython stops tracking a dict that h
 values; a touch removes and re-inserts its keys at C speed, so the dict is in LRU order) and a
 log of touches in two ``array`` buffers. A touch appends to the log; an eviction pops the log's
 head and drops the key only if that entry is its latest touch (a key touched again has a later
-entry), without the scan past deleted slots that taking a dict's first key would cost. When
+entry), without the scan past deleted slots that taking a dict's first key would cost; it judges
+a stretch of the log at a time with ``map`` and ``compress``, at C speed. When
 stale entries outnumber live ones the log is rebuilt from the dict: a copy, not a sort, so it
 costs about a millisecond at a replica's full KV size.
 
@@ -28,7 +29,8 @@ import math
 from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
-from itertools import repeat
+from itertools import compress, repeat
+from operator import eq
 
 __all__ = ["BlockLRU"]
 
@@ -80,11 +82,19 @@ class BlockLRU:
         keys, times, h = self._keys, self._times, self._head
         gone: list[int] = []
         while len(last) > capacity:
-            key = keys[h]
-            if last.get(key) == times[h]:
-                del last[key]
-                gone.append(key)
-            h += 1
+            # A stretch of the log from its head, judged at C speed: an entry is live when it is
+            # its key's latest touch (a key touched again has a later entry; a gone key has none).
+            excess = len(last) - capacity
+            end = min(len(keys), h + 2 * excess + 16)
+            live = list(compress(range(h, end), map(eq, map(last.get, keys[h:end]), times[h:end])))
+            if len(live) > excess:
+                del live[excess:]
+                end = live[-1] + 1
+            # (a key listed twice in one touch has two live entries: counted once)
+            batch = list(dict.fromkeys(map(keys.__getitem__, live)))
+            deque(map(last.__delitem__, batch), maxlen=0)
+            gone += batch
+            h = end
         self._head = h
         if h > _COMPACT_MIN and 2 * h > len(keys):
             del keys[:h]

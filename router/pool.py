@@ -10,6 +10,8 @@ visiting every replica (:meth:`router.framework.Profile.run` at pool scale):
   loaded come first without a scan;
 * the names of replicas at their in-flight cap, and the pool's totals of load and prefill tokens,
   so a ring's bound is the same mean as over every candidate;
+* the names of replicas whose views carry a KV-event index (``publishing``), so a producer
+  finds one without a scan;
 * ``version``, which moves when anything the filters read changes (health, weights, groups,
   adapters, membership) and not when load does: filter results are cached under it
   (:meth:`memo`).
@@ -27,7 +29,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from itertools import filterfalse
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from sortedcontainers import SortedList
@@ -61,10 +64,13 @@ class PoolIndex(Sequence[ReplicaView]):
         self._states: list[ReplicaState] = []
         self._views: list[ReplicaView] = []
         self._slot: dict[str, int] = {}
-        self._dirty: set[int] = set()  # slots whose state changed since their view was built
+        # Slots whose state changed since their view was built -> whether what the filters read
+        # may have changed too (not after a write that moves only load).
+        self._dirty: dict[int, bool] = {}
         self._order: SortedList = SortedList()
         self._counted: dict[str, tuple[float, int, str]] = {}
         self.full: set[str] = set()  # at or over their in-flight cap
+        self.publishing: dict[str, None] = {}  # whose views carry a KV-event index (in order)
         self.prefill_total = 0
         self.load_total = 0.0
         self.version = 0  # what filters read (see _membership), or who is in the pool, changed
@@ -86,7 +92,7 @@ class PoolIndex(Sequence[ReplicaView]):
     def remove(self, state: ReplicaState) -> None:
         slot = self._slot.pop(state.name)
         self._account(self._views[slot], None)
-        self._dirty.discard(slot)
+        self._dirty.pop(slot, None)
         last = len(self._states) - 1
         if slot != last:  # the last one moves into the hole
             moved = self._states[last]
@@ -94,29 +100,30 @@ class PoolIndex(Sequence[ReplicaView]):
             self._views[slot] = self._views[last]
             self._slot[moved.name] = slot
             if last in self._dirty:
-                self._dirty.discard(last)
-                self._dirty.add(slot)
+                self._dirty[slot] = self._dirty.pop(last)
         self._states.pop()
         self._views.pop()
         self.version += 1
         self.names_version += 1
 
-    def changed(self, state: ReplicaState) -> None:
-        """``state`` was written: its view is rebuilt at the next :meth:`refresh`."""
+    def changed(self, state: ReplicaState, *, load_only: bool = False) -> None:
+        """``state`` was written: its view is rebuilt at the next :meth:`refresh`; ``load_only``:
+        the write moved only load (the filters' cached results stand without a check)."""
         slot = self._slot.get(state.name)
         if slot is not None and self._states[slot] is state:
-            self._dirty.add(slot)
+            dirty = self._dirty
+            dirty[slot] = dirty.get(slot, False) or not load_only
 
     def refresh(self) -> PoolIndex:
         """Rebuild the views of the replicas that changed; returns ``self``."""
         if self._dirty:
-            dirty, self._dirty = self._dirty, set()
-            for slot in dirty:
-                old = self._views[slot]
-                new = self._states[slot].view()
-                self._views[slot] = new
+            dirty, self._dirty = self._dirty, {}
+            views, states = self._views, self._states
+            for slot, membership in dirty.items():
+                old = views[slot]
+                new = views[slot] = states[slot].view()
                 self._account(old, new)
-                if _membership(old) != _membership(new):
+                if membership and _membership(old) != _membership(new):
                     self.version += 1
         return self
 
@@ -128,6 +135,7 @@ class PoolIndex(Sequence[ReplicaView]):
             self.load_total -= key[0]
             self.prefill_total -= key[1]
             self.full.discard(old.name)
+            self.publishing.pop(old.name, None)
         if new is not None:
             key = _order_key(new)
             self._counted[new.name] = key
@@ -136,6 +144,8 @@ class PoolIndex(Sequence[ReplicaView]):
             self.prefill_total += key[1]
             if new.inflight >= new.cap:
                 self.full.add(new.name)
+            if new.kv_events is not None:
+                self.publishing[new.name] = None
 
     # -- reading (the router) -----------------------------------------------------------------------
 
@@ -165,6 +175,12 @@ class PoolIndex(Sequence[ReplicaView]):
         """Where ``name`` stands in :meth:`least_loaded` (load, queued prefill tokens, name) as
         last counted."""
         return self._counted[name]
+
+    @property
+    def order_keys(self) -> Mapping[str, tuple[float, int, str]]:
+        """:meth:`order_key` of every replica, as a mapping (read only; its ``__getitem__`` is a
+        sort key at C speed)."""
+        return self._counted
 
     def least_loaded(self) -> Iterator[ReplicaView]:
         """Every replica, least loaded first (fewest requests, then fewest queued prefill tokens)."""
@@ -281,6 +297,11 @@ class PoolCandidates(Candidates):
 
     def __contains__(self, name: object) -> bool:
         return name in self.members and name not in self._out
+
+    def among(self, names: Iterable[str]) -> list[str]:
+        """Those of ``names`` that are candidates, in their order (at C speed)."""
+        inside = list(filter(self.members.__contains__, names))
+        return list(filterfalse(self._out.__contains__, inside)) if self._out else inside
 
     def __len__(self) -> int:
         return len(self.members) - len(self._out)

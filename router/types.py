@@ -74,10 +74,14 @@ class ReplicaView:
         (less what the gateway has seen end since) when that is higher: traffic from other
         gateways, or work the gateway has not seen end."""
         snap = self.snapshot
-        if snap is None or self.snapshot_age_s > 10.0:
+        at = self.snapshot_at
+        clock = self.clock
+        # (snapshot_age_s inlined: the scorers read every candidate's load)
+        if snap is None or at is None or (clock is not None and clock.now() - at > 10.0):
             return float(self.inflight)
         scraped = snap.num_running + snap.num_waiting - self.finished_since_snapshot
-        return max(float(self.inflight), scraped)
+        inflight = float(self.inflight)
+        return scraped if scraped > inflight else inflight
 
     @property
     def free_slots(self) -> int:

@@ -17,10 +17,11 @@ from tidal.replicas.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockS
 from tidal.router.kv_events import BlockHolders, PromptKeys, ReplicaBlockIndex
 from tidal.router.loader import build_router
 from tidal.router.metrics import RouterMetrics
-from tidal.router.pool import PoolIndex
+from tidal.router.plugins.producers.kv_index import KVIndex, Params as KVParams, _set_bits
+from tidal.router.pool import PoolCandidates, PoolIndex
 from tidal.router.profiles import BUILTIN_PROFILES
 from tidal.router.registry import ReplicaRegistry
-from tidal.router.types import RouteRequest
+from tidal.router.types import CycleState, RouteRequest
 
 
 def _agreement(replicas: int, requests: int, seed: int) -> dict[str, float]:
@@ -182,3 +183,66 @@ def test_at_pool_scale_a_prompt_goes_where_the_events_say_its_prefix_is() -> Non
     # Then the events' holder was nominated and picked, its cached blocks counted exactly,
     assert result is not None and result.replica.name == holder.name, result
     assert result.notes["kv_index"] == "exact" and len(result.scores) < 40
+
+
+# -- the kv-index's replicas with room --------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    full=st.sets(st.integers(0, 99)),
+    busy=st.lists(st.integers(0, 99), max_size=300),
+    excluded=st.sets(st.integers(0, 99), max_size=30),
+)
+def test_the_replica_with_room_is_the_least_loaded_candidate_without_a_tail(
+    full: set[int], busy: list[int], excluded: set[int]
+) -> None:
+    # Given a pool of 100 replicas whose kv-index caches hold 4 blocks, some of them full,
+    clock = ManualClock(1.0)
+    registry = ReplicaRegistry.from_fleet(bench_fleet(100), clock)
+    states = registry.in_pool(rs.POOL)
+    kv = KVIndex(params=KVParams(max_blocks_per_replica=4))
+    pool = registry.views(rs.POOL)
+    for i in sorted(full):
+        request = RouteRequest("m", prefix_blocks=(i, 1000 + i, 2000 + i, 3000 + i, 4000 + i))
+        kv.after_pick(request, pool[i], CycleState(request, clock.now(), random.Random(0)))
+    # and some load on any of them (requests in flight),
+    for i in busy:
+        registry.acquire(states[i], None, 100)
+    pool = registry.views(rs.POOL)
+    names = frozenset(pool.names())
+    cands = PoolCandidates(pool, names, frozenset(), exclude=frozenset(states[i].name for i in excluded))
+    # Then the one nominated for its room is the least loaded candidate whose cache is not full,
+    expected = next(
+        (v.name for v in pool.least_loaded() if v.name not in kv._tail_of and v.name in cands), None
+    )
+    assert kv._least_loaded_with_room(cands) == expected
+    # and stays so when one more cache fills.
+    spare = next((i for i in range(100) if i not in full), None)
+    if spare is not None:
+        request = RouteRequest("m", prefix_blocks=tuple(range(10_000, 10_005)))
+        kv.after_pick(request, pool[spare], CycleState(request, clock.now(), random.Random(0)))
+        expected = next(
+            (v.name for v in pool.least_loaded() if v.name not in kv._tail_of and v.name in cands), None
+        )
+        assert kv._least_loaded_with_room(cands) == expected
+
+
+@given(st.integers(1, 1 << 3000))
+def test_the_bits_of_a_holders_mask_are_listed_lowest_first(held: int) -> None:
+    assert _set_bits(held) == [i for i in range(held.bit_length()) if held >> i & 1]
+
+
+@given(st.lists(st.integers(0, 40), unique=True), st.sets(st.integers(0, 40)), st.sets(st.integers(0, 40)))
+def test_among_keeps_the_candidates_in_order(names: list[int], members: set[int], excluded: set[int]) -> None:
+    registry = ReplicaRegistry.from_fleet(bench_fleet(41), ManualClock())
+    pool = registry.views(rs.POOL)
+    every = pool.names()
+    cands = PoolCandidates(
+        pool,
+        frozenset(every[i] for i in members),
+        frozenset(every[i] for i in set(range(41)) - members),
+        exclude=frozenset(every[i] for i in excluded),
+    )
+    asked = [every[i] for i in names]
+    assert cands.among(asked) == [n for n in asked if n in cands]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import random
 
+from hypothesis import given, strategies as hst
+
 from tidal.replicas.metrics import LoadSnapshot
 from tidal.router.loader import build_router
 from tidal.router.plugins.producers.kv_index import (
@@ -39,6 +41,14 @@ def test_leading_run_is_the_held_prefix_of_the_chain() -> None:
     assert leading_run(held, (1, 2, 3)) == 3
     assert leading_run(held, (7, 8)) == 0
     assert leading_run(held, ()) == 0
+
+
+@given(hst.integers(1, 300), hst.data())
+def test_leading_run_finds_where_a_held_prefix_ends(n: int, data: hst.DataObject) -> None:
+    blocks = tuple(range(1000, 1000 + n))
+    run = data.draw(hst.integers(0, n))
+    held = dict.fromkeys(blocks[:run], 0.0) | dict.fromkeys(range(run), 0.0)  # and other chains' blocks
+    assert leading_run(held, blocks) == run == leading_run(held, blocks, blocks[::-1])
 
 
 def test_index_counts_cached_tokens_and_forgets_a_chain_tail_first() -> None:

@@ -89,3 +89,53 @@ def test_replicas_are_in_their_pools_region() -> None:
     reg = ReplicaRegistry.from_fleet(fleet, ManualClock())
     assert [v.region for v in reg.views("eu")] == ["eu-west"]
     assert [v.region for v in reg.views("any")] == [None]
+
+
+def test_a_view_shows_each_field_of_the_replicas_state() -> None:
+    clock = ManualClock(3.0)
+    snap = LoadSnapshot(num_running=2.0, running_lora_adapters=frozenset({"b"}))
+    state = ReplicaState(
+        name="r",
+        url="http://r",
+        pool="p",
+        model="m",
+        cap=AdaptiveCap(7, minimum=1, maximum=9, slo_s=0.05, clock=clock),
+        group="canary",
+        weight=0.5,
+        max_loras=3,
+        region="eu",
+        healthy=False,
+        draining=True,
+        inflight=4,
+        prefill_tokens=100,
+        remote_inflight=2,
+        remote_prefill_tokens=50,
+        snapshot=snap,
+        snapshot_at=2.0,
+        finished_since_snapshot=1,
+        adapters={"a": 1.0},
+        clock=clock,
+    )
+    v = state.view()
+    assert (v.name, v.pool, v.model, v.group, v.weight, v.region) == ("r", "p", "m", "canary", 0.5, "eu")
+    assert (v.healthy, v.draining, v.inflight, v.cap, v.max_loras) == (False, True, 6, 7, 3)
+    assert (v.prefill_tokens, v.finished_since_snapshot) == (150, 1)
+    assert v.snapshot is snap and v.snapshot_at == 2.0 and v.snapshot_age_s == 1.0
+    assert v.loaded_adapters == frozenset({"a", "b"}) and v.kv_events is None and v.clock is clock
+
+
+def test_the_pools_version_moves_with_what_filters_read_not_with_load() -> None:
+    reg, state, _ = _registry()
+    before = reg.views("interactive").version
+    # A request's start, first token and end move load only: the filters' cached results stand,
+    reg.acquire(state, None, 10)
+    reg.first_token(state, 10)
+    reg.release(state, tpot_s=0.03)
+    state.snapshot_at = 1.0
+    assert reg.views("interactive").version == before
+    assert reg.views("interactive")[0].inflight == 0
+    # while a health change, even after load changes, moves it.
+    reg.acquire(state, None, 10)
+    state.healthy = False
+    pool = reg.views("interactive")
+    assert pool.version > before and not pool[0].healthy and pool[0].inflight == 1

@@ -54,11 +54,12 @@ Config example::
 
 from __future__ import annotations
 
-import heapq
 import math
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 from pydantic import Field
 from sortedcontainers import SortedList
 
@@ -95,22 +96,17 @@ class Params(PluginParams):
     nominees: int = Field(default=8, ge=1, le=1024)
 
 
-def leading_run(held: Mapping[int, Any], blocks: Sequence[int]) -> int:
+def leading_run(held: Mapping[int, Any], blocks: Sequence[int], reverse: Sequence[int] | None = None) -> int:
     """How many of ``blocks`` lead the sequence inside ``held``, assuming what is held of the
-    chain is a prefix of it (binary search; none and all are answered first, in one probe)."""
+    chain is a prefix of it (binary search at C speed over ``reverse``, the blocks last to first,
+    given when the caller has it; none and all are answered first, in one probe)."""
     hi = len(blocks)
     if not hi or blocks[0] not in held:
         return 0
     if blocks[-1] in held:
         return hi
-    lo = 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if blocks[mid - 1] in held:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    # Last to first, the blocks go from not held to held: the first held is where the run ends.
+    return hi - bisect_left(blocks[::-1] if reverse is None else reverse, True, key=held.__contains__)
 
 
 def recent_run(held: Mapping[int, float], blocks: Sequence[int], since: float) -> int:
@@ -140,6 +136,8 @@ class KVIndex:
         # Replicas whose cache is full, by the last use of their least recently used block.
         self._tails = SortedList()
         self._tail_of: dict[str, float] = {}
+        self._full_version = 0  # moves when a replica's cache fills or gets room again
+        self._capacity: dict[str, tuple[Any, int, int]] = {}  # name -> (snapshot, block tokens, blocks)
 
     @classmethod
     def from_config(cls, name: str, params: Mapping[str, Any] | None = None) -> KVIndex:
@@ -147,10 +145,17 @@ class KVIndex:
 
     def capacity(self, replica: ReplicaView, block_tokens: int) -> int:
         """Blocks of ``block_tokens`` the replica's KV cache holds (bounded by the parameters)."""
+        # Kept per replica while its snapshot stands (a scrape brings a new one): the decision
+        # asks for every candidate's.
+        kept = self._capacity.get(replica.name)
+        if kept is not None and kept[0] is replica.snapshot and kept[1] == block_tokens:
+            return kept[2]
         blocks = replica.kv_blocks(block_tokens)
         if blocks is None:
             blocks = max(1, self.params.capacity_tokens // max(1, block_tokens))
-        return min(self.params.max_blocks_per_replica, blocks)
+        cap = min(self.params.max_blocks_per_replica, blocks)
+        self._capacity[replica.name] = (replica.snapshot, block_tokens, cap)
+        return cap
 
     def produce(
         self,
@@ -164,13 +169,24 @@ class KVIndex:
         tokens = request.prompt_tokens or len(blocks) * bt
         cached: dict[str, int] = {}
         tail_age: dict[str, float] = {}
+        share: dict[str, float] = {}
         now = state.now
         engine_keys = request.engine_keys
         exact = 0
+        lrus, sent_sums, inf = self._lru, self._sent, math.inf
+        reverse = blocks[::-1]
         for c in candidates:
-            lru = self._lru.get(c.name)
-            held = lru.held if lru is not None else _EMPTY
-            est = min(tokens, leading_run(held, blocks) * bt) if blocks else 0
+            name = c.name
+            lru = lrus.get(name)
+            if lru is None:
+                cached[name] = 0
+                tail_age[name] = inf
+                held: Mapping[int, float] = _EMPTY
+            else:
+                held = lru.held
+                cached[name] = min(tokens, leading_run(held, blocks, reverse) * bt) if blocks else 0
+                oldest = lru.oldest() if len(lru) >= self.capacity(c, bt) else None
+                tail_age[name] = inf if oldest is None else max(0.0, now - oldest)
             idx = c.kv_events
             if idx is not None and engine_keys is not None and now - idx.as_of <= self.params.max_staleness_s:
                 bs = idx.block_size
@@ -181,23 +197,18 @@ class KVIndex:
                         if blocks
                         else 0
                     )
-                    est = max(hit, sent)
+                    cached[name] = max(hit, sent)
                 else:
-                    est = max(hit, est)
+                    cached[name] = max(hit, cached[name])
                 exact += 1
-            cached[c.name] = est
-            oldest = lru.oldest() if lru is not None and len(lru) >= self.capacity(c, bt) else None
-            tail_age[c.name] = math.inf if oldest is None else max(0.0, now - oldest)
+            uncached, total = sent_sums.get(name, (1.0, 1.0))
+            share[name] = uncached / total if total > 0 else 1.0
         if candidates:
             state.notes["kv_index"] = (
                 "exact" if exact == len(candidates) else "estimate" if exact == 0 else "mixed"
             )
         state.put(CACHED_TOKENS, cached)
         state.put(TAIL_AGE, tail_age)
-        share: dict[str, float] = {}
-        for c in candidates:
-            uncached, total = self._sent.get(c.name, (1.0, 1.0))
-            share[c.name] = uncached / total if total > 0 else 1.0
         state.put(UNCACHED_SHARE, share)
 
     def after_pick(self, request: RouteRequest, picked: ReplicaView, state: CycleState) -> None:
@@ -219,8 +230,11 @@ class KVIndex:
         for i in _levels(len(blocks)):
             holders.add(blocks[i], bit)
         cap = self.capacity(picked, max(1, request.block_tokens))
-        for b in lru.evict_to(cap):
-            holders.discard(b, bit)
+        gone = lru.evict_to(cap)
+        if gone:
+            # Only the level blocks are in the inverted index: found among the evicted at C speed.
+            for b in holders.masks.keys() & gone:
+                holders.discard(b, bit)
         tail = lru.oldest() if len(lru) >= cap else None
         old_tail = self._tail_of.pop(name, None)
         if old_tail is not None:
@@ -228,6 +242,8 @@ class KVIndex:
         if tail is not None:
             self._tail_of[name] = tail
             self._tails.add((tail, name))
+        if (old_tail is None) != (tail is None):
+            self._full_version += 1
 
     def nominate(self, request: RouteRequest, candidates: Candidates, state: CycleState) -> Iterable[str]:
         """The candidates holding the longest runs of the prompt, by the estimate and, where
@@ -250,11 +266,28 @@ class KVIndex:
                 out.append(name)
                 tails += 1
         if isinstance(candidates, PoolCandidates) and len(self._tail_of) > 0:
-            for v in candidates.pool.least_loaded():  # one with room: no tail entry
-                if v.name not in self._tail_of and v.name in candidates:
-                    out.append(v.name)
-                    break
+            roomy = self._least_loaded_with_room(candidates)
+            if roomy is not None:
+                out.append(roomy)
         return out
+
+    def _least_loaded_with_room(self, candidates: PoolCandidates) -> str | None:
+        """The least loaded candidate whose cache has room (no tail entry), without walking the
+        pool: the pool's replicas with room are kept (in the pool's memo, so membership changes
+        clear them) and recounted only when a cache fills or gets room again."""
+        pool = candidates.pool
+        kept: list[Any] = pool.memo((self.TYPE, id(self), "room"), lambda: [-1, frozenset()])
+        if kept[0] != self._full_version:
+            tail_of = self._tail_of
+            kept[:] = [self._full_version, frozenset(n for n in pool.names() if n not in tail_of)]
+        room: frozenset[str] = kept[1]
+        if len(room) * _SPARSE > len(pool):  # many: met early walking the load order
+            for v in pool.least_loaded():
+                if v.name in room and v.name in candidates:
+                    return v.name
+            return None
+        inside = [n for n in room if n in candidates]
+        return min(inside, key=pool.order_key) if inside else None
 
     @staticmethod
     def _exact_holders(
@@ -264,8 +297,10 @@ class KVIndex:
         pool's replicas push events and the prompt could be tokenised."""
         if request.engine_keys is None or not isinstance(candidates, PoolCandidates):
             return None
-        for v in candidates.pool:  # the first replica with a subscription speaks for the pool
-            idx = v.kv_events
+        pool = candidates.pool
+        for name in pool.publishing:  # the first replica with a subscription speaks for the pool
+            v = pool.view(name)
+            idx = v.kv_events if v is not None else None
             if idx is not None and idx.holders is not None and idx.block_size:
                 return idx.holders, request.engine_keys(idx.block_size)
         return None
@@ -312,19 +347,33 @@ def _least_loaded_of(
                     break
         return out
     found: list[str] = []
-    while held:
-        low = held & -held
-        name = names[low.bit_length() - 1]
-        if name is not None and name in candidates:
-            found.append(name)
-        held ^= low
+    if isinstance(candidates, PoolCandidates) and count > _LISTED_IN_C:
+        found = candidates.among(filter(None, map(names.__getitem__, _set_bits(held))))
+    else:
+        while held:
+            low = held & -held
+            name = names[low.bit_length() - 1]
+            if name is not None and name in candidates:
+                found.append(name)
+            held ^= low
     if len(found) <= k:
         return found
     if isinstance(candidates, PoolCandidates):
-        return heapq.nsmallest(k, found, key=candidates.pool.order_key)
+        return sorted(found, key=candidates.pool.order_keys.__getitem__)[:k]  # (a sort in C)
     views = [w for n in found if (w := candidates.view(n)) is not None]
     views.sort(key=lambda w: (w.load, w.prefill_tokens, w.name))
     return [w.name for w in views[:k]]
+
+
+_LISTED_IN_C = 8  # holders above this many are listed by numpy, not bit by bit
+
+
+def _set_bits(held: int) -> list[int]:
+    """The positions of the bits set in ``held``, lowest first, at C speed (a pool's mask has
+    a bit per replica: thousands)."""
+    raw = np.frombuffer(held.to_bytes((held.bit_length() + 7) // 8, "little"), np.uint8)
+    positions: list[int] = np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+    return positions
 
 
 _EMPTY: dict[int, float] = {}

@@ -57,12 +57,16 @@ class LoadScorer:
         p = self.params
         total_w = p.inflight_weight + p.waiting_weight + p.kv_weight or 1.0
         out: dict[str, float] = {}
+        wi, ww, wk, max_age = p.inflight_weight, p.waiting_weight, p.kv_weight, p.max_snapshot_age_s
         for c in candidates:
-            cap = max(1, c.cap)
-            pressure = p.inflight_weight * min(1.0, c.load / cap)
+            cap = c.cap if c.cap > 1 else 1
+            load = c.load / cap
+            pressure = wi * (load if load < 1.0 else 1.0)
             snap = c.snapshot
-            if snap is not None and c.snapshot_age_s <= p.max_snapshot_age_s:
-                pressure += p.waiting_weight * min(1.0, snap.num_waiting / cap)
-                pressure += p.kv_weight * min(1.0, max(0.0, snap.kv_cache_usage))
+            if snap is not None and c.snapshot_age_s <= max_age:
+                waiting = snap.num_waiting / cap
+                usage = snap.kv_cache_usage
+                pressure += ww * (waiting if waiting < 1.0 else 1.0)
+                pressure += wk * ((usage if usage < 1.0 else 1.0) if usage > 0.0 else 0.0)
             out[c.name] = 1.0 - pressure / total_w
         return out

@@ -65,17 +65,20 @@ def prefill_costs(
     oldest = max(ages.values(), default=math.inf)
     tokens = request.prompt_tokens
     out: dict[str, float] = {}
+    affinity, per_request, eviction = params.affinity, params.per_request_tokens, params.eviction
+    isinf, inf = math.isinf, math.inf
     for c in candidates:
-        hit = min(tokens, cached.get(c.name, 0))
-        age = ages.get(c.name, math.inf)
+        name = c.name
+        hit = min(tokens, cached.get(name, 0))
+        age = ages.get(name, inf)
         # inf: room left, nothing evicted; an equal age everywhere: no replica is the better victim.
-        pressure = 0.0 if math.isinf(age) or oldest <= 0 else 1.0 - age / oldest
-        out[c.name] = (
-            c.prefill_tokens * share.get(c.name, 1.0)
+        pressure = 0.0 if isinf(age) or oldest <= 0 else 1.0 - age / oldest
+        out[name] = (
+            c.prefill_tokens * share.get(name, 1.0)
             + tokens
-            - params.affinity * hit
-            + params.per_request_tokens * c.load
-            + params.eviction * (tokens - hit) * pressure
+            - affinity * hit
+            + per_request * c.load
+            + eviction * (tokens - hit) * pressure
         )
     return out
 
@@ -101,7 +104,7 @@ class PrefillCostScorer:
         if not costs:
             return {}
         cached = state.get(CACHED_TOKENS) or {}
-        top = min(costs, key=lambda n: costs[n])
+        top = min(costs, key=costs.__getitem__)
         state.notes["prefill_cost"] = "cached" if cached.get(top, 0) > 0 else "cold"
         best, worst = costs[top], max(costs.values())
         if worst <= best:
