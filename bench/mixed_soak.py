@@ -250,7 +250,8 @@ async def _chat(
 
 async def _settle(client: openai.AsyncOpenAI, tally: _Tally, drain_s: float, log: Any) -> None:
     """Wait for every batch and job to end (at most ``drain_s``), then read their answers."""
-    deadline = time.monotonic() + drain_s
+    started = time.monotonic()
+    deadline = started + drain_s
     pending = {b["id"] for b in tally.batches} | {j["id"] for j in tally.jobs}
     status: dict[str, Any] = {}
     while pending and time.monotonic() < deadline:
@@ -268,7 +269,10 @@ async def _settle(client: openai.AsyncOpenAI, tally: _Tally, drain_s: float, log
                     pending.discard(j["id"])
         if pending:
             await asyncio.sleep(2.0)
-    log(f"settled: {len(pending)} batches or jobs still running after {drain_s:g} s")
+    log(
+        f"settled: {len(pending)} batches or jobs still running after "
+        f"{time.monotonic() - started:.1f} s (at most {drain_s:g} s)"
+    )
     for b in tally.batches:
         got = status.get(b["id"])
         b["status"] = got.status if got is not None else "unknown"
