@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -89,13 +90,30 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
             cur = dbapi_conn.cursor()
             # WAL lets readers run beside the one writer; the busy timeout makes writers queue
             # instead of failing when a worker and the gateway write at the same moment.
-            cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=30000")
+            _wal(cur)
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
 
         return engine
     return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=5, max_overflow=10)
+
+
+def _wal(cur: Any, timeout_s: float = 30.0) -> None:
+    """Put the database in WAL mode. Processes that open a new database at the same moment race
+    to switch it, and SQLite answers the losers "database is locked" at once, without its busy
+    handler: they try again (the winner's switch takes milliseconds) until ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
 
 
 # -- lines --------------------------------------------------------------------------------------
