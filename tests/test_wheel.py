@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_layering import SUBSYSTEMS
+
 ROOT = Path(__file__).resolve().parents[1]
-SUBSYSTEMS = ["api", "router", "priority", "scheduler", "workers", "batch_jobs", "replicas", "bench"]
 # One module of each part that pulls in most of it.
 PARTS = [
     "tidal.cli",
