@@ -501,6 +501,7 @@ class InteractiveService:
     async def _deregister(self, state: ReplicaState) -> None:
         if self.registry.get(state.name) is state:
             self.registry.remove(state.name)
+            self.router.forget(state.name)
             self.metrics.replica_removed(state.name)
         if state.kv_events is not None and state.name in self.kv_events:
             await self.kv_events.remove(state.name)

@@ -115,7 +115,8 @@ class Producer(Plugin, Protocol):
     ``replicas`` is every replica of the pool (for structures that must stay stable as replicas
     come and go, like the hash ring); ``candidates`` what the filters left. ``READS_BLOCKS`` says
     it reads :attr:`RouteRequest.prefix_blocks`, which the gateway hashes only when a producer of
-    the default profile does.
+    the default profile does. A producer that keeps state per replica also has
+    ``forget(replica: str) -> None``, called by :meth:`Router.forget` when a replica leaves.
     """
 
     READS_BLOCKS: ClassVar[bool]
@@ -344,6 +345,18 @@ class Router:
         if self.observer is not None:
             self.observer.decided(prof.name, result)
         return result
+
+    def forget(self, replica: str) -> None:
+        """``replica`` left its pool: every producer that keeps state per replica drops its own
+        (what it indexed there would otherwise stay in memory for good, and describe a cache
+        that a replica coming back under the name no longer has)."""
+        seen: set[int] = set()
+        for prof in self.profiles.values():
+            for p in prof.producers:
+                forget = getattr(p, "forget", None)
+                if forget is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    forget(replica)
 
     def describe(self) -> dict[str, Any]:
         """The profiles and their plugins, for logs and ``/admin`` views."""

@@ -144,7 +144,12 @@ def test_replicas_registered_at_run_time_are_recorded_for_the_batch_workers(tmp_
         assert tc.post("/admin/replicas", headers=admin, json=dup).status_code == 409
         assert recorded()["scaled-1"][1] == "http://127.0.0.1:10"
         # And deregistering removes the record (also one this gateway does not know: 404 here)
+        # and tells the router, whose indexes drop what they kept of it
+        forgotten: list[str] = []
+        service = tc.app.state.tidal.interactive  # type: ignore[attr-defined]
+        service.router.forget = forgotten.append
         assert tc.delete("/admin/replicas/scaled-1", headers=admin).json()["removed"] is True
+        assert forgotten == ["scaled-1"]
         with store.session() as s:
             put_runtime_replica(s, name="left-over", pool="interactive", url="http://127.0.0.1:13")
         assert tc.delete("/admin/replicas/left-over", headers=admin).status_code == 404

@@ -246,3 +246,37 @@ def test_among_keeps_the_candidates_in_order(names: list[int], members: set[int]
     )
     asked = [every[i] for i in names]
     assert cands.among(asked) == [n for n in asked if n in cands]
+
+
+# -- a replica that leaves ----------------------------------------------------------------------------
+
+
+def test_a_replica_that_leaves_is_forgotten_by_every_index() -> None:
+    # Given the built-in profiles' indexes after a stream of chat requests on 8 replicas
+    # (their caches filled past capacity, so the kv-index keeps tails),
+    clock = ManualClock(1.0)
+    fleet = bench_fleet(8)
+    registry = ReplicaRegistry.from_fleet(fleet, clock)
+    router = build_router(fleet.router, clock=clock, seed=0)
+    kv = next(p for p in router.profiles["tidal"].producers if isinstance(p, KVIndex))
+    kv.params = KVParams(max_blocks_per_replica=500)
+    for request in rs._requests(bench_fleet(1), 240, 0):
+        clock.advance(0.01)
+        for profile in ("tidal", "llm_d", "sglang_cache_aware"):
+            assert router.route(request, registry.views(rs.POOL), profile=profile) is not None
+    gone = registry.in_pool(rs.POOL)[3].name
+    assert gone in kv._lru and gone in kv._tail_of and gone in kv._holders.bits
+    bit = kv._holders.bits[gone]
+    # When the replica leaves the pool and the router is told,
+    registry.remove(gone)
+    router.forget(gone)
+    # Then no index keeps anything of it: the kv-index's blocks, bit, tail and sums,
+    assert gone not in kv._lru and gone not in kv._tail_of and gone not in kv._sent
+    assert gone not in kv._capacity and all(name != gone for _, name in kv._tails)
+    assert gone not in kv._holders.bits and kv._holders.names[bit] is None
+    assert all(not mask >> bit & 1 for mask in kv._holders.masks.values())
+    for profile in ("llm_d", "sglang_cache_aware"):
+        for p in router.profiles[profile].producers:
+            assert gone not in getattr(p, "_lru", {}) and gone not in getattr(p, "_trees", {})
+    # and the next replica to join takes the freed bit, which no block carries.
+    assert kv._holders.bit("newcomer") == bit

@@ -114,6 +114,10 @@ class ApproxPrefixIndex:
             },
         )
 
+    def forget(self, replica: str) -> None:
+        """``replica`` left the pool: its index goes."""
+        self._lru.pop(replica, None)
+
     def after_pick(self, request: RouteRequest, picked: ReplicaView, state: CycleState) -> None:
         blocks = request.prefix_blocks[: self.params.max_prefix_blocks]
         if not blocks:
@@ -162,6 +166,10 @@ class RadixTree:
         }
         size = {c.name: len(self._trees.get(c.name, empty)) for c in candidates}
         state.put(TREE_FACTS, TreeFacts(match, size))
+
+    def forget(self, replica: str) -> None:
+        """``replica`` left the pool: its tree goes."""
+        self._trees.pop(replica, None)
 
     def after_pick(self, request: RouteRequest, picked: ReplicaView, state: CycleState) -> None:
         tree = self._trees.setdefault(picked.name, {})

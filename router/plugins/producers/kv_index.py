@@ -245,6 +245,23 @@ class KVIndex:
         if (old_tail is None) != (tail is None):
             self._full_version += 1
 
+    def forget(self, replica: str) -> None:
+        """``replica`` left the pool: drop its blocks, its bit in the inverted index, its tail and
+        its sums (a replica that comes back under the name starts with an empty cache)."""
+        lru = self._lru.pop(replica, None)
+        holders = self._holders
+        bit = holders.bits.get(replica)
+        if lru is not None and bit is not None:
+            for b in holders.masks.keys() & lru.held.keys():
+                holders.discard(b, bit)
+        holders.release(replica)
+        self._sent.pop(replica, None)
+        self._capacity.pop(replica, None)
+        tail = self._tail_of.pop(replica, None)
+        if tail is not None:
+            self._tails.remove((tail, replica))
+            self._full_version += 1
+
     def nominate(self, request: RouteRequest, candidates: Candidates, state: CycleState) -> Iterable[str]:
         """The candidates holding the longest runs of the prompt, by the estimate and, where
         replicas push KV events, by the events (at most ``nominees`` each; where a level's
