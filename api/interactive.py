@@ -534,6 +534,8 @@ class InteractiveService:
                 "kv_cache_usage_mean": sum(kv) / len(kv) if kv else None,
                 "num_waiting": sum(s.num_waiting for s in snaps),
                 "replicas_healthy": sum(1 for s in states if s.healthy and not s.draining),
+                # Those taking traffic: a canary rolled back to weight 0 is healthy, not capacity.
+                "replicas_serving": sum(1 for s in states if s.routable),
                 "replicas_total": len(states),
                 "requests_per_s": w.requests.rate(),
                 "error_rate": w.errors.count() / requests if requests else 0.0,

@@ -119,6 +119,7 @@ def merge_reports(reports: Sequence[LoadReport]) -> LoadReport:
             kv_cache_usage_mean=max(p.kv_cache_usage_mean for p in parts),
             num_waiting=max(p.num_waiting for p in parts),
             replicas_healthy=min(p.replicas_healthy for p in parts),
+            replicas_serving=min(p.replicas_serving for p in parts),
             replicas_total=max(p.replicas_total for p in parts),
             requests_per_s=rps,
             error_rate=(sum(p.error_rate * p.requests_per_s for p in parts) / rps)

@@ -61,6 +61,7 @@ class PoolLoad:
     kv_cache_usage_mean: float = 0.0
     num_waiting: float = 0.0
     replicas_healthy: float = 0.0
+    replicas_serving: float = 0.0  # healthy, not draining and weighted above 0: taking traffic
     replicas_total: float = 0.0
     requests_per_s: float = 0.0
     error_rate: float = 0.0

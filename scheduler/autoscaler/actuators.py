@@ -62,7 +62,8 @@ class GaugeActuator:
         self._desired: dict[str, int] = {}
 
     async def observe(self, pool: str, load: PoolLoad | None) -> PoolReplicas:
-        ready = int(load.replicas_healthy) if load is not None else 0
+        # Ready means taking traffic: a canary held at weight 0 adds no capacity.
+        ready = int(load.replicas_serving) if load is not None else 0
         total = int(load.replicas_total) if load is not None else 0
         # Replicas the external scaler is still bringing up are not registered yet.
         return PoolReplicas(ready=ready, starting=max(0, self._desired.get(pool, total) - total))

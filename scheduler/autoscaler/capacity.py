@@ -346,7 +346,7 @@ class OnlineCapacity:
 
     def observe(self, pool: str, load: PoolLoad, ready: int, *, lent_to_batch: bool) -> None:
         slo = self.slos.get(pool)
-        serving = int(load.replicas_healthy) or ready
+        serving = int(load.replicas_serving) or ready
         if slo is None or lent_to_batch or serving <= 0 or load.requests_per_s <= 0:
             return
         within = (

@@ -23,6 +23,7 @@ POOL_KEYS = {
     "kv_cache_usage_mean",
     "num_waiting",
     "replicas_healthy",
+    "replicas_serving",
     "replicas_total",
     "requests_per_s",
     "error_rate",
@@ -64,6 +65,13 @@ def test_register_patch_and_remove_a_replica(offline_gateway: Gateway) -> None:
         json={"name": "admin-t1", "url": "http://127.0.0.1:9", "pool": "interactive"},
     )
     assert dup.status_code == 409 and dup.json()["error"]["code"] == "replica_exists"
+    # A canary rolled back to weight 0 stays healthy but is no longer serving capacity.
+    before = gw.admin("GET", "/admin/load").json()["pools"]["interactive"]
+    assert before["replicas_serving"] == before["replicas_healthy"]
+    gw.admin("PATCH", "/admin/replicas/admin-t1", json={"weight": 0})
+    after = gw.admin("GET", "/admin/load").json()["pools"]["interactive"]
+    assert after["replicas_healthy"] == before["replicas_healthy"]
+    assert after["replicas_serving"] == before["replicas_serving"] - 1
     # Canary weight, draining and health are set independently.
     r = gw.admin("PATCH", "/admin/replicas/admin-t1", json={"weight": 0.05, "draining": True})
     assert r.json()["weight"] == 0.05 and r.json()["draining"] is True and r.json()["healthy"] is True

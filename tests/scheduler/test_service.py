@@ -215,8 +215,12 @@ async def test_pool_actuators_send_each_pool_to_its_own_and_replace_only_what_th
     a, b = GaugeActuator(), GaugeActuator()
     both = PoolActuators({"x": a, "y": b})
     await both.scale("x", 5)
-    assert await both.observe("x", PoolLoad(replicas_total=2, replicas_healthy=2)) == PoolReplicas(2, 3)
-    assert await both.observe("y", PoolLoad(replicas_total=2, replicas_healthy=2)) == PoolReplicas(2, 0)
+    serving = PoolLoad(replicas_total=2, replicas_healthy=2, replicas_serving=2)
+    assert await both.observe("x", serving) == PoolReplicas(2, 3)
+    assert await both.observe("y", serving) == PoolReplicas(2, 0)
+    # a canary held at weight 0 is registered and healthy, but not ready capacity
+    held = PoolLoad(replicas_total=3, replicas_healthy=3, replicas_serving=2)
+    assert await both.observe("y", held) == PoolReplicas(2, 0)
     assert await both.replace("z", "r") is False
     with pytest.raises(KeyError):
         await both.scale("z", 1)
@@ -421,7 +425,9 @@ def test_a_learned_capacity_is_saved_with_the_profiles_and_read_back(data_dir: P
     first = service(fleet(batch={"autoscale": learning}), FakeGateway([]), ManualClock())
     capacity = first.learned_capacity
     assert capacity is not None
-    busy = PoolLoad(requests_per_s=60.0, replicas_healthy=4, ttft_p95_s=0.2, tpot_p95_s=0.02)
+    busy = PoolLoad(
+        requests_per_s=60.0, replicas_healthy=4, replicas_serving=4, ttft_p95_s=0.2, tpot_p95_s=0.02
+    )
     for _ in range(4):
         capacity.observe("batch", busy, 4, lent_to_batch=False)
     assert capacity.capacity_rps("batch") == 15.0

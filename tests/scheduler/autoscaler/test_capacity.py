@@ -146,6 +146,7 @@ def load(rps: float, replicas: int = 4, ttft: float = 0.3, tpot: float = 0.02, w
     return PoolLoad(
         requests_per_s=rps,
         replicas_healthy=replicas,
+        replicas_serving=replicas,
         ttft_p95_s=ttft,
         tpot_p95_s=tpot,
         queue_wait_p95_s=wait,

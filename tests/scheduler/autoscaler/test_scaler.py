@@ -266,7 +266,9 @@ async def test_the_loop_learns_the_profile_from_the_gateway_time_and_holds_witho
             if self.down:
                 raise ConnectionError("gateway down")
             self.t += 60.0
-            return LoadReport(self.t, {"interactive": PoolLoad(requests_per_s=7.0, replicas_healthy=3)})
+            return LoadReport(
+                self.t, {"interactive": PoolLoad(requests_per_s=7.0, replicas_healthy=3, replicas_serving=3)}
+            )
 
     src = Source()
     loop = AutoscalerLoop([s], source=src, clock=clock)
