@@ -31,7 +31,7 @@ from tidal.api.proxy import Proxy, ProxyJob, ProxyResponse
 from tidal.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tidal.api.shared_state import AdminFeed, build_shared_load
 from tidal.clock import Clock, SystemClock, WallClock
-from tidal.fleet import FleetConfig, KVEventsSpec, QuotaSpec
+from tidal.fleet import FleetConfig, KVEventsSpec, QuotaSpec, endpoint_host
 from tidal.priority.admission import Admission, Outcome
 from tidal.priority.features import FEATURE_HEADER, PlanError, estimate_tokens, plan_request, resolve_feature
 from tidal.priority.quotas import LocalQuotas, RedisQuotas
@@ -398,6 +398,21 @@ class InteractiveService:
             raise APIError(
                 409, f"A replica named '{name}' already exists.", param="name", code="replica_exists"
             )
+        endpoints = [("url", url)]
+        if kv_events is not None:
+            endpoints += [("kv_events.endpoint", kv_events.endpoint)]
+            if kv_events.replay_endpoint is not None:
+                endpoints += [("kv_events.replay_endpoint", kv_events.replay_endpoint)]
+        for param, endpoint in endpoints:
+            host = endpoint_host(endpoint)
+            if host is not None and not self.fleet.gateway.allows_replica_host(host):
+                raise APIError(
+                    400,
+                    f"The gateway does not reach '{host}': not a host its configuration allows for "
+                    "replicas (gateway.replica_hosts; never link-local, multicast or unspecified).",
+                    param=param,
+                    code="replica_host_refused",
+                )
         slo = min(c.tpot_slo_s for c in self.fleet.classes.values())
         state = ReplicaState(
             name=name,

@@ -16,12 +16,15 @@ Example::
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import hmac
+import ipaddress
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -174,6 +177,23 @@ class LaunchSpec(_Strict):
 
 
 _TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):([0-9]{1,5})$")
+
+
+_HOST_PATTERN = re.compile(r"[A-Za-z0-9*?._-]+")
+
+
+def _network(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    try:
+        return ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        return None
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a URL or a ``tcp://HOST:PORT`` endpoint; ``None`` for ``ipc://`` (a path)."""
+    if endpoint.startswith("ipc://"):
+        return None
+    return urlsplit(endpoint).hostname or ""
 
 
 def check_zmq_endpoint(value: str) -> str:
@@ -598,6 +618,45 @@ class GatewaySpec(_Strict):
     # counts live (a gateway that dies stops counting after it; counts older are never used).
     shared_state_interval_s: float = Field(default=0.05, gt=0, le=5)
     shared_state_ttl_s: float = Field(default=2.0, gt=0, le=60)
+    # Where replicas registered at run time (POST /admin/replicas: the autoscaler, a canary build)
+    # may be, their URL and KV-event endpoints alike: host names (shell patterns such as
+    # "*.svc.cluster.local") and networks ("10.0.0.0/8", "127.0.0.1"). Empty: any host. Never a
+    # link-local, multicast or unspecified address (a cloud's metadata service is link-local).
+    # The fleet file's own replicas are configuration and are not checked.
+    replica_hosts: list[Annotated[str, Field(min_length=1, max_length=253)]] = Field(
+        default_factory=list, max_length=1024
+    )
+
+    @field_validator("replica_hosts")
+    @classmethod
+    def _check_hosts(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            if not _HOST_PATTERN.fullmatch(entry) and _network(entry) is None:
+                raise ValueError(f"replica_hosts: '{entry}' is neither a host name pattern nor a network")
+        return v
+
+    def allows_replica_host(self, host: str) -> bool:
+        """Whether a replica registered at run time may be reached at ``host`` (see
+        ``replica_hosts``)."""
+        host = host.strip("[]").rstrip(".").lower()
+        try:
+            ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None
+        if ip is not None:
+            mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+            if any(a.is_link_local or a.is_multicast or a.is_unspecified for a in (ip, mapped) if a):
+                return False
+        if not self.replica_hosts:
+            return True
+        for entry in self.replica_hosts:
+            net = _network(entry)
+            if net is not None:
+                if ip is not None and ip.version == net.version and ip in net:
+                    return True
+            elif ip is None and fnmatch.fnmatchcase(host, entry.lower()):
+                return True
+        return False
 
     @model_validator(mode="after")
     def _ttl_outlives_intervals(self) -> GatewaySpec:

@@ -98,6 +98,21 @@ def test_registration_is_validated(offline_gateway: Gateway) -> None:
     assert extra.status_code == 400
     weight = gw.admin("PATCH", "/admin/replicas/replica-0", json={"weight": -1})
     assert weight.status_code == 400
+    # A replica the gateway would reach at a link-local address (a cloud's metadata service), by
+    # its URL or its KV-event endpoints, is refused, and nothing is registered.
+    for body, param in [
+        ({"url": "http://169.254.169.254/latest"}, "url"),
+        ({"url": "http://[::ffff:169.254.169.254]:80"}, "url"),
+        ({"url": "http://0.0.0.0:9"}, "url"),
+        (
+            {"url": "http://127.0.0.1:9", "kv_events": {"endpoint": "tcp://169.254.169.254:5557"}},
+            "kv_events.endpoint",
+        ),
+    ]:
+        r = gw.admin("POST", "/admin/replicas", json={"name": "meta", "pool": "interactive", **body})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "replica_host_refused", r.text
+        assert r.json()["error"]["param"] == param
+    assert "meta" not in {x["name"] for x in gw.admin("GET", "/admin/replicas").json()["data"]}
 
 
 def test_load_signal_shape(offline_gateway: Gateway) -> None:

@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from tidal.defaults import DEFAULT_FLEET_PATH
-from tidal.fleet import FleetConfigError, hash_api_key, load_fleet, parse_fleet, verify_api_key
+from tidal.fleet import FleetConfigError, GatewaySpec, hash_api_key, load_fleet, parse_fleet, verify_api_key
 
 
 def minimal(**overrides: Any) -> dict[str, Any]:
@@ -371,3 +372,41 @@ def test_isolation_keys_load() -> None:
     assert fleet.adapter_for("acme-lora", "globex") is None
     assert fleet.features["gdpr"].allows_region("eu-west")
     assert not fleet.features["gdpr"].allows_region(None)
+
+
+@pytest.mark.parametrize(
+    ("allowed", "host", "reachable"),
+    [
+        # never, whatever the configuration: link-local (a cloud's metadata service), multicast,
+        # unspecified, also written as IPv4-mapped IPv6
+        ([], "169.254.169.254", False),
+        (["0.0.0.0/0"], "169.254.169.254", False),
+        ([], "[::ffff:169.254.169.254]", False),
+        ([], "fe80::1", False),
+        ([], "224.0.0.1", False),
+        ([], "0.0.0.0", False),
+        # nothing configured: any other host
+        ([], "10.1.2.3", True),
+        ([], "vllm-0.vllm.default.svc.cluster.local", True),
+        # configured: only the networks and host name patterns listed
+        (["10.0.0.0/8", "*.svc.cluster.local", "127.0.0.1"], "10.200.0.7", True),
+        (["10.0.0.0/8", "*.svc.cluster.local", "127.0.0.1"], "127.0.0.1", True),
+        (["10.0.0.0/8", "*.svc.cluster.local", "127.0.0.1"], "vllm-0.ns.svc.cluster.local.", True),
+        (["10.0.0.0/8", "*.svc.cluster.local", "127.0.0.1"], "VLLM-0.NS.SVC.CLUSTER.LOCAL", True),
+        (["10.0.0.0/8", "*.svc.cluster.local", "127.0.0.1"], "192.168.1.9", False),
+        (["10.0.0.0/8", "*.svc.cluster.local", "127.0.0.1"], "svc.cluster.local.evil.example", False),
+        (["10.0.0.0/8", "*.svc.cluster.local", "127.0.0.1"], "127.0.0.2", False),
+        (["10.0.0.0/8"], "::ffff:10.0.0.1", False),  # a network matches its own address family
+        (["*"], "10.0.0.1", False),  # a host name pattern never matches an address
+    ],
+)
+def test_replica_hosts_bound_where_run_time_replicas_may_be(
+    allowed: list[str], host: str, reachable: bool
+) -> None:
+    assert GatewaySpec(replica_hosts=allowed).allows_replica_host(host) is reachable
+
+
+@pytest.mark.parametrize("entry", ["http://10.0.0.1", "10.0.0.0/33", "a b", ""])
+def test_replica_hosts_entries_are_networks_or_host_name_patterns(entry: str) -> None:
+    with pytest.raises(ValidationError):
+        GatewaySpec(replica_hosts=[entry])
