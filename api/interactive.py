@@ -142,7 +142,14 @@ class InteractiveService:
         # With TIDAL_REDIS_URL, every gateway process's load per replica, queues and caps are
         # shared (router.shared); a slot freed at another gateway wakes this one's queue.
         self.shared = build_shared_load(
-            settings, fleet, self.registry, self.admission, self.proxy.slot_freed, prom, self.clock
+            settings,
+            fleet,
+            self.registry,
+            self.admission,
+            self.proxy.slot_freed,
+            prom,
+            self.clock,
+            pool_rates=self._pool_rates,
         )
         default = self.router.profiles[self.router.default]
         # Block hashes cost time per request; compute them only when the profile reads them.
@@ -528,15 +535,36 @@ class InteractiveService:
         if isinstance(state.client, ReplicaClient):
             await state.client.aclose()
 
+    def _pool_rates(self) -> dict[str, tuple[float, float]]:
+        """This process's requests and errors per second per pool (published to the others)."""
+        out = {}
+        for pool in self.registry.pools():
+            w = self.metrics.pool(pool)
+            out[pool] = (w.requests.rate(), w.errors.rate())
+        return out
+
     def load_json(self) -> dict[str, Any]:
-        """The scheduler's signal source (``GET /admin/load``), cheap enough to poll every 250 ms."""
+        """The scheduler's signal source (``GET /admin/load``), cheap enough to poll every 250 ms.
+
+        ``scope`` says what its counts cover: ``fleet`` while this gateway shares load state with
+        the others (queue depth, in flight and the request and error rates then count every
+        gateway process's, so any one answers for all: one port of ``--workers N``, or one of
+        several gateways), ``gateway`` when it counts its own alone (no Redis, or Redis lost for
+        longer than the shared state's ttl).
+        Latency quantiles, KV usage and canary groups are this process's own view in both."""
+        # The others' counts are in use until they are older than the store's ttl (then dropped).
+        fleet = self.shared is not None and self.shared.age_s() <= self.shared.ttl_s
         pools: dict[str, Any] = {}
         for pool in self.registry.pools():
             states = self.registry.in_pool(pool)
             snaps = [s.snapshot for s in states if s.snapshot is not None and s.healthy]
             kv = [s.kv_cache_usage for s in snaps]
             w = self.metrics.pool(pool)
-            requests = w.requests.count()
+            rps, eps = w.requests.rate(), w.errors.rate()
+            if fleet:
+                assert self.shared is not None
+                remote_rps, remote_eps = self.shared.remote_rates.get(pool, (0.0, 0.0))
+                rps, eps = rps + remote_rps, eps + remote_eps
             remote_queued = self.shared.remote_queued.get(pool, 0) if self.shared is not None else 0
             pools[pool] = {
                 # With shared state, queue depth and in-flight count every gateway's requests.
@@ -552,8 +580,8 @@ class InteractiveService:
                 # Those taking traffic: a canary rolled back to weight 0 is healthy, not capacity.
                 "replicas_serving": sum(1 for s in states if s.routable),
                 "replicas_total": len(states),
-                "requests_per_s": w.requests.rate(),
-                "error_rate": w.errors.count() / requests if requests else 0.0,
+                "requests_per_s": rps,
+                "error_rate": min(1.0, eps / rps) if rps > 0 else 0.0,
             }
         groups: dict[str, Any] = {}
         for name, g in self.metrics.groups.items():
@@ -566,7 +594,12 @@ class InteractiveService:
             }
         for state in self.registry:
             groups.setdefault(state.group, {"requests": 0, "errors": 0, "error_rate": 0.0})
-        out: dict[str, Any] = {"time": time.time(), "pools": pools, "groups": groups}
+        out: dict[str, Any] = {
+            "time": time.time(),
+            "scope": "fleet" if fleet else "gateway",
+            "pools": pools,
+            "groups": groups,
+        }
         shared = self.shared
         if shared is not None:
             out["shared_state"] = {

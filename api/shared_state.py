@@ -28,7 +28,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +102,10 @@ def build_shared_load(
     on_freed: Callable[[str], None],
     prom: CollectorRegistry,
     clock: Clock,
+    pool_rates: Callable[[], Mapping[str, tuple[float, float]]] | None = None,
 ) -> SharedLoad | None:
-    """The sync loop of this process when ``TIDAL_REDIS_URL`` is set (not started), else ``None``."""
+    """The sync loop of this process when ``TIDAL_REDIS_URL`` is set (not started), else ``None``;
+    ``pool_rates`` -- this process's requests and errors per second per pool, published."""
     if not settings.redis_url:
         return None
     gw = fleet.gateway
@@ -140,6 +142,7 @@ def build_shared_load(
         timeout_s=min(1.5, gw.shared_state_ttl_s * 0.75),
         queue_depth=admission.queue_depth,
         tenant_load=lambda: admission.held,
+        pool_rates=pool_rates,
         on_freed=on_freed,
         on_sync=observed,
     )

@@ -4,7 +4,9 @@ Keys (``NS`` is ``TIDAL_REDIS_NAMESPACE``, ``tidal`` by default)::
 
     NS:gw:<gateway id>   hash   this gateway's load: "t" -> publication time (Redis server ms),
                                 "r:<replica>" -> "<in flight> <prompt tokens not yet prefilled>",
-                                "q:<pool>" -> requests waiting in its admission queue;
+                                "q:<pool>" -> requests waiting in its admission queue,
+                                "u:<pool> <tenant>" -> requests it admitted for the tenant,
+                                "p:<pool>" -> "<requests/s> <errors/s>" over its window;
                                 rewritten whole at each sync, PEXPIRE ttl
     NS:gateways          zset   gateway id -> expiry (server ms): the live gateways
     NS:cap:<replica>     hash   "v" -> the replica's cap, "e" -> its epoch (decisions so far);
@@ -29,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import socket
@@ -109,6 +112,7 @@ def _load(flat: Sequence[Any], now_ms: int) -> tuple[GatewayLoad, float]:
     replicas: dict[str, tuple[int, int]] = {}
     queued: dict[str, int] = {}
     tenants: dict[tuple[str, str], int] = {}
+    rates: dict[str, tuple[float, float]] = {}
     published = now_ms
     for k, v in zip(flat[::2], flat[1::2], strict=True):
         key, value = _s(k), _s(v)
@@ -121,11 +125,16 @@ def _load(flat: Sequence[Any], now_ms: int) -> tuple[GatewayLoad, float]:
             elif key.startswith("u:"):
                 pool, _, tenant = key[2:].partition(" ")
                 tenants[(pool, tenant)] = int(value)
+            elif key.startswith("p:"):
+                rps, _, eps = value.partition(" ")
+                r, e = float(rps), float(eps or 0)
+                if math.isfinite(r) and math.isfinite(e) and r >= 0 and e >= 0:
+                    rates[key[2:]] = (r, e)
             elif key == "t":
                 published = int(value)
         except ValueError:
             continue  # a field this version does not read
-    return GatewayLoad(replicas, queued, tenants), max(0.0, (now_ms - published) / 1000)
+    return GatewayLoad(replicas, queued, tenants, rates), max(0.0, (now_ms - published) / 1000)
 
 
 class RedisLoadStore:
@@ -163,13 +172,15 @@ class RedisLoadStore:
         self, mine: GatewayLoad, proposals: Sequence[CapProposal], replicas: Sequence[str]
     ) -> SyncReply:
         args: list[str | int] = [self.gateway_id, self.ttl_ms, self.prefix]
-        args.append(len(mine.replicas) + len(mine.queued) + len(mine.tenants))
+        args.append(len(mine.replicas) + len(mine.queued) + len(mine.tenants) + len(mine.rates))
         for name, (inflight, prefill) in mine.replicas.items():
             args += [f"r:{name}", f"{inflight} {prefill}"]
         for pool, n in mine.queued.items():
             args += [f"q:{pool}", n]
         for (pool, tenant), n in mine.tenants.items():  # names hold no spaces (fleet Name)
             args += [f"u:{pool} {tenant}", n]
+        for pool, (rps, eps) in mine.rates.items():
+            args += [f"p:{pool}", f"{rps:.6g} {eps:.6g}"]
         args.append(len(proposals))
         for p in proposals:
             args += [p.replica, p.expected_epoch, p.value, CAP_TTL_MS]

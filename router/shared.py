@@ -77,11 +77,13 @@ class GatewayLoad:
     """What one gateway process has: per replica ``(in flight, prompt tokens not yet prefilled)``
     (replicas with nothing are left out), per pool the requests waiting in its admission queue,
     per ``(pool, tenant)`` the requests it admitted and has not finished (admission's fair share
-    counts them pool-wide)."""
+    counts them pool-wide), per pool ``(requests, errors)`` per second over its recent window (so
+    that any one gateway can report the fleet's rates, as the autoscaler reads them)."""
 
     replicas: dict[str, tuple[int, int]] = field(default_factory=dict)
     queued: dict[str, int] = field(default_factory=dict)
     tenants: dict[tuple[str, str], int] = field(default_factory=dict)
+    rates: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,7 @@ class SharedLoad:
         timeout_s: float | None = None,
         queue_depth: Callable[[str], int] | None = None,
         tenant_load: Callable[[], Mapping[tuple[str, str], int]] | None = None,
+        pool_rates: Callable[[], Mapping[str, tuple[float, float]]] | None = None,
         on_freed: Callable[[str], None] | None = None,
         on_sync: Callable[[float, float | None], None] | None = None,
     ) -> None:
@@ -164,6 +167,7 @@ class SharedLoad:
         self.timeout_s = timeout_s if timeout_s is not None else min(1.0, ttl_s / 2)
         self.queue_depth = queue_depth or (lambda _pool: 0)
         self.tenant_load = tenant_load or dict
+        self.pool_rates = pool_rates or dict
         self.on_freed = on_freed
         self.on_sync = on_sync
         self.up = False
@@ -172,6 +176,7 @@ class SharedLoad:
         self.failures = 0
         self.remote_queued: dict[str, int] = {}
         self.remote_tenants: dict[tuple[str, str], int] = {}  # (pool, tenant) -> the others' count
+        self.remote_rates: dict[str, tuple[float, float]] = {}  # pool -> the others' (requests, errors)/s
         self._synced_at: float | None = None  # local time the last successful sync started
         self._data_age = 0.0  # the oldest other gateway's publication age at that sync
         self._adopted: dict[str, SharedCap] = {}
@@ -197,7 +202,8 @@ class SharedLoad:
                 replicas[s.name] = (inflight, s.prefill_tokens)
         queued = {p: n for p in self.registry.pools() if (n := self.queue_depth(p)) > 0}
         tenants = {k: n for k, n in self.tenant_load().items() if n > 0}
-        return GatewayLoad(replicas, queued, tenants)
+        rates = {p: r for p, r in self.pool_rates().items() if r[0] > 0 or r[1] > 0}
+        return GatewayLoad(replicas, queued, tenants, rates)
 
     def _proposals(self) -> list[CapProposal]:
         out = []
@@ -245,6 +251,7 @@ class SharedLoad:
         totals: dict[str, list[int]] = {}
         queued: dict[str, int] = {}
         tenants: dict[tuple[str, str], int] = {}
+        rates: dict[str, tuple[float, float]] = {}
         for load in others.values():
             for name, (inflight, prefill) in load.replicas.items():
                 t = totals.setdefault(name, [0, 0])
@@ -254,6 +261,9 @@ class SharedLoad:
                 queued[pool] = queued.get(pool, 0) + n
             for key, n in load.tenants.items():
                 tenants[key] = tenants.get(key, 0) + n
+            for pool, (rps, eps) in load.rates.items():
+                r0, e0 = rates.get(pool, (0.0, 0.0))
+                rates[pool] = (r0 + rps, e0 + eps)
         freed: set[str] = set()
         for s in self.registry:
             inflight, prefill = totals.get(s.name, (0, 0))
@@ -263,6 +273,7 @@ class SharedLoad:
             s.remote_prefill_tokens = prefill
         self.remote_queued = queued
         self.remote_tenants = tenants
+        self.remote_rates = rates
         self._wake(freed)
 
     def _apply_caps(self, reply: SyncReply, proposed: set[str], at_start: dict[str, int]) -> None:

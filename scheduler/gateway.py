@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -101,19 +101,33 @@ def _check_url(url: str) -> str:
 
 
 def merge_reports(reports: Sequence[LoadReport]) -> LoadReport:
-    """One view of several gateways: waits, latencies and KV usage take the worst; counts add up."""
+    """One view of several gateways: waits, latencies and KV usage take the worst; counts (queue
+    depth, in flight, requests and errors per second) add up, except that gateways sharing load
+    state (``scope: fleet``) each count every sharing gateway's already: of those the largest
+    count stands for them all (summing would count the fleet once per gateway)."""
     if len(reports) == 1:
         return reports[0]
+    fleet = [r for r in reports if r.scope == "fleet"]
+    own = [r for r in reports if r.scope != "fleet"]
     pools: dict[str, PoolLoad] = {}
     for name in sorted({p for r in reports for p in r.pools}):
         parts = [r.pools[name] for r in reports if name in r.pools]
-        rps = sum(p.requests_per_s for p in parts)
+        shared = [r.pools[name] for r in fleet if name in r.pools]
+        alone = [r.pools[name] for r in own if name in r.pools]
+
+        def count(
+            value: Callable[[PoolLoad], float], shared: list[PoolLoad] = shared, alone: list[PoolLoad] = alone
+        ) -> float:
+            return max(map(value, shared), default=0.0) + sum(map(value, alone))
+
+        rps = count(lambda p: p.requests_per_s)
+        errors = count(lambda p: p.error_rate * p.requests_per_s)
         pools[name] = PoolLoad(
-            queue_depth=sum(p.queue_depth for p in parts),
+            queue_depth=count(lambda p: p.queue_depth),
             queue_wait_p95_s=max(p.queue_wait_p95_s for p in parts),
             ttft_p95_s=max(p.ttft_p95_s for p in parts),
             tpot_p95_s=max(p.tpot_p95_s for p in parts),
-            inflight=sum(p.inflight for p in parts),
+            inflight=count(lambda p: p.inflight),
             # Every gateway scrapes the same replicas: the usage is the same fact seen twice.
             kv_cache_usage_max=max(p.kv_cache_usage_max for p in parts),
             kv_cache_usage_mean=max(p.kv_cache_usage_mean for p in parts),
@@ -122,16 +136,16 @@ def merge_reports(reports: Sequence[LoadReport]) -> LoadReport:
             replicas_serving=min(p.replicas_serving for p in parts),
             replicas_total=max(p.replicas_total for p in parts),
             requests_per_s=rps,
-            error_rate=(sum(p.error_rate * p.requests_per_s for p in parts) / rps)
-            if rps > 0
-            else max(p.error_rate for p in parts),
+            error_rate=min(1.0, errors / rps) if rps > 0 else max(p.error_rate for p in parts),
         )
     groups: dict[str, GroupLoad] = {}
     for name in sorted({g for r in reports for g in r.groups}):
         req = sum(r.groups[name].requests for r in reports if name in r.groups)
         err = sum(r.groups[name].errors for r in reports if name in r.groups)
         groups[name] = GroupLoad(requests=req, errors=err, error_rate=err / req if req > 0 else 0.0)
-    return LoadReport(time=max(r.time for r in reports), pools=pools, groups=groups)
+    return LoadReport(
+        time=max(r.time for r in reports), pools=pools, groups=groups, scope="gateway" if own else "fleet"
+    )
 
 
 class GatewayAdmin:

@@ -99,6 +99,9 @@ class LoadReport:
     time: float
     pools: Mapping[str, PoolLoad] = field(default_factory=dict)
     groups: Mapping[str, GroupLoad] = field(default_factory=dict)
+    # "fleet": the pools' counts and rates are every gateway's that shares load state with this
+    # one; "gateway": its own alone (see merge_reports).
+    scope: str = "gateway"
 
     @classmethod
     def from_json(cls, data: Any) -> LoadReport:
@@ -114,6 +117,7 @@ class LoadReport:
         if len(pools_raw) > _MAX_NAMES or len(groups_raw) > _MAX_NAMES:
             raise SignalError("load report: too many pools or groups")
         return cls(
+            scope="fleet" if data.get("scope") == "fleet" else "gateway",
             time=_num(data.get("time"), "time"),
             pools={str(k): PoolLoad.from_json(v, f"pools.{k}") for k, v in pools_raw.items()},
             groups={str(k): GroupLoad.from_json(v, f"groups.{k}") for k, v in groups_raw.items()},

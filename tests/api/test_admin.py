@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 from fastapi.testclient import TestClient
 
@@ -178,3 +179,44 @@ def test_replicas_registered_at_run_time_are_recorded_for_the_batch_workers(tmp_
         assert tc.delete("/admin/replicas/left-over", headers=admin).status_code == 404
         assert set(recorded()) == {"canary-1"}
     store.dispose()
+
+
+def test_with_shared_load_state_the_load_signal_counts_the_fleet(tmp_path: Path) -> None:
+    # Given a gateway whose shared state says the other gateways serve 6 requests/s, 3 of them
+    # failing, and hold 4 requests in their queues,
+    fleet = parse_fleet(
+        {
+            "models": [{"name": "tiny"}],
+            "pools": {
+                "interactive": {
+                    "kind": "interactive",
+                    "model": "tiny",
+                    "replicas": [{"name": "r0", "url": "http://127.0.0.1:9"}],
+                }
+            },
+        }
+    )
+    settings = Settings(_env_file=None, data_dir=tmp_path, broker_url="memory://")  # type: ignore[call-arg]
+    with TestClient(create_app(fleet, settings, keys=KeyStore())) as tc:
+        service = tc.app.state.tidal.interactive  # type: ignore[attr-defined]
+        assert service.load_json()["scope"] == "gateway"
+        service.shared = SimpleNamespace(
+            up=True,
+            remote_rates={"interactive": (6.0, 3.0)},
+            remote_queued={"interactive": 4},
+            age_s=lambda: 0.01,
+            ttl_s=2.0,
+            gateways=3,
+        )
+        # When the scheduler reads this gateway's load signal,
+        load = service.load_json()
+        # Then it answers for the fleet: the others' rates and queues count.
+        pool = load["pools"]["interactive"]
+        assert load["scope"] == "fleet" and load["shared_state"]["gateways"] == 3
+        assert pool["requests_per_s"] == 6.0 and pool["error_rate"] == 0.5 and pool["queue_depth"] == 4
+        # Once the others' counts are older than the ttl (the store away), it counts its own alone.
+        service.shared.up = False
+        service.shared.age_s = lambda: 2.5
+        load = service.load_json()
+        assert load["scope"] == "gateway" and load["pools"]["interactive"]["requests_per_s"] == 0.0
+        service.shared = None

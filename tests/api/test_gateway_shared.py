@@ -364,6 +364,10 @@ def test_workers_share_load_through_redis_and_are_refused_without_it(
                 for _ in range(6):
                     seen = sum(r["inflight_all"] for r in _replicas(gw).values())
                     assert seen == 8, (seen, [f.result() for f in streams if f.done()])
+                # And either worker's load signal answers for both (the scheduler polls one).
+                for _ in range(6):
+                    load = gw.admin("GET", "/admin/load").json()
+                    assert load["scope"] == "fleet" and load["pools"]["interactive"]["inflight"] == 8, load
             finally:
                 stop.set()
             assert all(s.result() == 200 for s in streams)

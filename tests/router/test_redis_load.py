@@ -41,7 +41,9 @@ def _store(ns: str, gid: str, ttl_s: float = 2.0) -> RedisLoadStore:
 async def test_a_gateway_reads_what_the_others_published(namespace: str) -> None:
     a, b = _store(namespace, "a"), _store(namespace, "b")
     try:
-        mine = GatewayLoad({"r0": (3, 100)}, {"interactive": 2}, {("interactive", "acme"): 3})
+        mine = GatewayLoad(
+            {"r0": (3, 100)}, {"interactive": 2}, {("interactive", "acme"): 3}, {"interactive": (12.5, 0.25)}
+        )
         await a.sync(mine, [], ["r0"])
         reply = await b.sync(GatewayLoad(), [], ["r0"])
         assert reply.others == {"a": mine}

@@ -358,3 +358,21 @@ async def test_a_tenant_s_share_counts_what_it_holds_through_every_gateway() -> 
     reg_b.release(reg_b.get("r1"))  # type: ignore[arg-type]
     at_b.finished(other)
     assert at_b.wake("interactive") == [small]
+
+
+async def test_every_gateway_reads_the_fleet_s_request_and_error_rates() -> None:
+    # Given three gateways sharing a store, each with its own request and error rates per pool,
+    store = Store(ManualClock())
+    gateways = [_gateway(store, name)[1] for name in ("a", "b", "c")]
+    rates = {"a": (10.0, 1.0), "b": (4.0, 0.0), "c": (0.0, 0.0)}
+    for g in gateways:
+        g.pool_rates = lambda mine=rates[g.store.gateway_id]: {"interactive": mine}  # type: ignore[misc]
+    # When all sync (twice: the first ones read before the others published),
+    for _ in range(2):
+        for g in gateways:
+            await g.sync_once()
+    # Then each reads the others' rates, summed (an idle gateway publishes none),
+    assert gateways[0].remote_rates == {"interactive": (4.0, 0.0)}
+    assert gateways[1].remote_rates == {"interactive": (10.0, 1.0)}
+    assert gateways[2].remote_rates == {"interactive": (14.0, 1.0)}
+    assert gateways[2]._mine().rates == {}

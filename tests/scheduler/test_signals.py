@@ -72,6 +72,27 @@ def test_merging_gateways_takes_the_worst_wait_and_adds_counts() -> None:
     assert p.requests_per_s == 40 and p.error_rate == pytest.approx(0.075)
 
 
+def test_gateways_that_share_load_state_are_not_counted_once_each() -> None:
+    # Given two gateways sharing load state (each report counts the fleet: 10 + 30 req/s, 5
+    # queued, 8 in flight; one read the other's counts a little later) and one that does not,
+    def pool(queued: float, inflight: float, rps: float, errors: float) -> PoolLoad:
+        return PoolLoad(queue_depth=queued, inflight=inflight, requests_per_s=rps, error_rate=errors / rps)
+
+    shared_a = LoadReport(1.0, {"p": pool(5, 8, 40, 3)}, scope="fleet")
+    shared_b = LoadReport(1.1, {"p": pool(4, 8, 38, 3)}, scope="fleet")
+    alone = LoadReport(1.2, {"p": pool(1, 2, 6, 0)})
+    # When the scheduler merges what it polled,
+    m = merge_reports([shared_a, shared_b, alone])
+    p = m.pools["p"]
+    # Then the sharing gateways count once (the largest of their counts), the other adds its own.
+    assert (p.queue_depth, p.inflight, p.requests_per_s) == (6, 10, 46)
+    assert p.error_rate == pytest.approx(3 / 46)
+    assert merge_reports([shared_a, shared_b]).pools["p"].requests_per_s == 40
+    # and a report says which it is (anything else than "fleet" counts as one gateway's).
+    assert LoadReport.from_json({"time": 1, "scope": "fleet", "pools": {}}).scope == "fleet"
+    assert LoadReport.from_json({"time": 1, "scope": "x", "pools": {}}).scope == "gateway"
+
+
 class FakeGateway:
     """Speaks the admin API contract; records what it was asked."""
 
