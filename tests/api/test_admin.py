@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from fastapi.testclient import TestClient
 
@@ -11,7 +12,7 @@ from tests.api.harness import Gateway
 from tidal.api.app import create_app
 from tidal.api.auth import KeyStore, Principal
 from tidal.batch_jobs.store import Store, put_runtime_replica, runtime_replicas
-from tidal.fleet import parse_fleet
+from tidal.fleet import FleetConfig, parse_fleet
 from tidal.settings import Settings
 
 POOL_KEYS = {
@@ -126,22 +127,17 @@ def test_load_signal_shape(offline_gateway: Gateway) -> None:
     assert profiles["default"] == "tidal" and "llm_d" in profiles["profiles"]
 
 
+def _one_replica(tmp_path: Path, *, shared: bool = False) -> tuple[FleetConfig, Settings]:
+    """A fleet of one interactive replica (``shared``: it also takes batch) and in-process settings."""
+    pool: dict[str, Any] = {"kind": "interactive", "model": "tiny", "shared": shared}
+    pool["replicas"] = [{"name": "fixed", "url": "http://127.0.0.1:9"}]
+    fleet = parse_fleet({"models": [{"name": "tiny"}], "pools": {"interactive": pool}})
+    return fleet, Settings(_env_file=None, data_dir=tmp_path, broker_url="memory://")  # type: ignore[call-arg]
+
+
 def test_replicas_registered_at_run_time_are_recorded_for_the_batch_workers(tmp_path: Path) -> None:
     # Given a gateway with its batch tier's store (SQLite here)
-    fleet = parse_fleet(
-        {
-            "models": [{"name": "tiny"}],
-            "pools": {
-                "interactive": {
-                    "kind": "interactive",
-                    "model": "tiny",
-                    "shared": True,
-                    "replicas": [{"name": "fixed", "url": "http://127.0.0.1:9"}],
-                }
-            },
-        }
-    )
-    settings = Settings(_env_file=None, data_dir=tmp_path, broker_url="memory://")  # type: ignore[call-arg]
+    fleet, settings = _one_replica(tmp_path, shared=True)
     keys = KeyStore()
     keys.add_key("key-admin", Principal("ops", frozenset({"*"}), admin=True))
     admin = {"Authorization": "Bearer key-admin"}
@@ -184,19 +180,7 @@ def test_replicas_registered_at_run_time_are_recorded_for_the_batch_workers(tmp_
 def test_with_shared_load_state_the_load_signal_counts_the_fleet(tmp_path: Path) -> None:
     # Given a gateway whose shared state says the other gateways serve 6 requests/s, 3 of them
     # failing, and hold 4 requests in their queues,
-    fleet = parse_fleet(
-        {
-            "models": [{"name": "tiny"}],
-            "pools": {
-                "interactive": {
-                    "kind": "interactive",
-                    "model": "tiny",
-                    "replicas": [{"name": "r0", "url": "http://127.0.0.1:9"}],
-                }
-            },
-        }
-    )
-    settings = Settings(_env_file=None, data_dir=tmp_path, broker_url="memory://")  # type: ignore[call-arg]
+    fleet, settings = _one_replica(tmp_path)
     with TestClient(create_app(fleet, settings, keys=KeyStore())) as tc:
         service = tc.app.state.tidal.interactive  # type: ignore[attr-defined]
         assert service.load_json()["scope"] == "gateway"
