@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from redis import asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from tidal.clock import Clock
 from tidal.fleet import QuotaSpec
