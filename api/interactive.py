@@ -554,13 +554,14 @@ class InteractiveService:
         Latency quantiles, KV usage and canary groups are this process's own view in both."""
         # The others' counts are in use until they are older than the store's ttl (then dropped).
         fleet = self.shared is not None and self.shared.age_s() <= self.shared.ttl_s
+        local = self._pool_rates()
         pools: dict[str, Any] = {}
         for pool in self.registry.pools():
             states = self.registry.in_pool(pool)
             snaps = [s.snapshot for s in states if s.snapshot is not None and s.healthy]
             kv = [s.kv_cache_usage for s in snaps]
             w = self.metrics.pool(pool)
-            rps, eps = w.requests.rate(), w.errors.rate()
+            rps, eps = local[pool]
             if fleet:
                 assert self.shared is not None
                 remote_rps, remote_eps = self.shared.remote_rates.get(pool, (0.0, 0.0))

@@ -318,14 +318,10 @@ def _pool(
     router = build_router(fleet.router, clock=clock, seed=seed, observer=metrics)
     rng = random.Random(seed)
     _scrape(registry, registry.in_pool(POOL), rng)
-    kv_index = next(
-        (p for prof in router.profiles.values() for p in prof.producers if isinstance(p, KVIndex)), KVIndex()
-    )
+    kv_index = next((p for p in router.producers() if isinstance(p, KVIndex)), KVIndex())
     capacity = kv_index.capacity(registry.views(POOL)[0], BLOCK_TOKENS)
     target = capacity if fill is None else fill
-    producers: list[Producer] = []
-    for name in profiles:  # one producer may serve several profiles: fill it once
-        producers += [p for p in router.profiles[name].producers if all(p is not q for q in producers)]
+    producers = router.producers(profiles)  # one producer may serve several profiles: filled once
     if freeze == "start":
         gc.freeze()  # as the gateway at start: what fills the indexes later stays in sight
     try:

@@ -350,13 +350,18 @@ class Router:
         """``replica`` left its pool: every producer that keeps state per replica drops its own
         (what it indexed there would otherwise stay in memory for good, and describe a cache
         that a replica coming back under the name no longer has)."""
-        seen: set[int] = set()
-        for prof in self.profiles.values():
-            for p in prof.producers:
-                forget = getattr(p, "forget", None)
-                if forget is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    forget(replica)
+        for p in self.producers():
+            forget = getattr(p, "forget", None)
+            if forget is not None:
+                forget(replica)
+
+    def producers(self, profiles: Iterable[str] | None = None) -> list[Producer]:
+        """The producers of ``profiles`` (default: every profile), each once: profiles that
+        consume the same producer share one instance."""
+        out: list[Producer] = []
+        for name in self.profiles if profiles is None else profiles:
+            out += [p for p in self.profiles[name].producers if all(p is not q for q in out)]
+        return out
 
     def describe(self) -> dict[str, Any]:
         """The profiles and their plugins, for logs and ``/admin`` views."""
