@@ -1,4 +1,7 @@
-"""An LRU of block keys that costs the garbage collector nothing to walk.
+"""LRUs of block keys that cost the garbage collector nothing to walk.
+
+:class:`ChainLRU` (the ``kv-index``'s) keeps chained keys as a tree of segments, so a touch costs
+what a prompt adds; :class:`BlockLRU` (llm-d's approximate index) orders any keys.
 
 A replica's prefix index can hold its whole KV cache in blocks -- tens of thousands of keys per
 replica, millions over a large pool. In an ``OrderedDict`` (a container the collector tracks)
@@ -27,12 +30,15 @@ from __future__ import annotations
 
 import math
 from array import array
+from bisect import bisect_left
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from itertools import compress, repeat
 from operator import eq
 
-__all__ = ["BlockLRU"]
+import numpy as np
+
+__all__ = ["BlockLRU", "ChainLRU", "leading_run"]
 
 _COMPACT_MIN = 4096  # log entries before a compaction is considered
 
@@ -120,3 +126,261 @@ class BlockLRU:
         self._keys = array("Q", last)
         self._times = array("d", last.values())
         self._head = 0
+
+
+def leading_run(held: Container[int], blocks: Sequence[int], reverse: Sequence[int] | None = None) -> int:
+    """How many of ``blocks`` lead the sequence inside ``held``, assuming what is held of the
+    chain is a prefix of it (binary search at C speed over ``reverse``, the blocks last to first,
+    given when the caller has it; none and all are answered first, in one probe)."""
+    hi = len(blocks)
+    if not hi or blocks[0] not in held:
+        return 0
+    if blocks[-1] in held:
+        return hi
+    # Last to first, the blocks go from not held to held: the first held is where the run ends.
+    return hi - bisect_left(blocks[::-1] if reverse is None else reverse, True, key=held.__contains__)
+
+
+class ChainLRU:
+    """An LRU of chained block keys (a key names its whole prefix), kept as a tree of segments.
+
+    :class:`BlockLRU` moves every key of a prompt on every touch: at a replica's full KV size
+    (~90,000 keys) each move is a cache miss, and a 130-block prompt cost ~80 us. Here a touch
+    costs what the prompt adds, not what it repeats. Prompts sent to a replica form a tree (one
+    parent per key, since a key names its prefix); its unbranched runs are *segments*, each
+    with one last-use time, and a touch stamps the path from the prompt's deepest held key to
+    the root -- a few segments -- and appends one segment of its new keys. Eviction takes keys
+    from the end of the least recently used segment, so what is held of any chain stays a
+    prefix of it (ancestors are never older than their descendants; a touch logs the deepest
+    first), the order :class:`BlockLRU` gives when a chain is touched last to first.
+
+    Nothing here is walked by the collector: keys map to segment ids in a ``dict`` of ints, and
+    segments are rows of ``array`` columns (their keys contiguous in one key array, root side
+    first; a parent found through its last key, so a split re-points no child). A log of
+    segment ids orders them by last use: an entry is live when it is its segment's latest
+    (``_entry`` holds its position). The log and the key array are compacted with numpy when
+    their dead space outgrows the live part.
+    """
+
+    __slots__ = (
+        "_base",
+        "_end",
+        "_entry",
+        "_free",
+        "_head",
+        "_keys",
+        "_log",
+        "_node",
+        "_parent",
+        "_rooted",
+        "_start",
+        "_t",
+        "_time",
+    )
+
+    def __init__(self) -> None:
+        self._node: dict[int, int] = {}  # key -> id of its segment
+        self._keys = array("Q")  # every segment's keys, contiguous per segment, root side first
+        self._start = array("q")  # per segment id: its keys are _keys[_start:_end]
+        self._end = array("q")
+        self._time = array("d")  # per segment id: its last use
+        self._parent = array("Q")  # per segment id: the key before its first (see _rooted)
+        self._rooted = array("B")  # per segment id: 1 when it starts a chain (no parent)
+        self._entry = array("q")  # per segment id: absolute log position of its live entry; -1 free
+        self._free = array("q")  # segment ids to reuse
+        self._log = array("q")  # segment ids by last use, oldest first, from _head on
+        self._head = 0
+        self._base = 0  # absolute position of _log[0]
+        self._t = -math.inf  # the latest touch time (strictly increasing per touch call)
+
+    def __len__(self) -> int:
+        return len(self._node)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._node
+
+    @property
+    def held(self) -> Mapping[int, int]:
+        """The keys held (read-only use; the values are internal)."""
+        return self._node
+
+    def leading(self, chain: Sequence[int], reverse: Sequence[int] | None = None) -> int:
+        """How many of ``chain`` (root side first) lead it inside the LRU."""
+        return leading_run(self._node, chain, reverse)
+
+    def recent(self, chain: Sequence[int], since: float) -> int:
+        """How many of ``chain`` lead it inside the LRU with a last use at or after ``since``
+        (along a chain, last uses never increase: a binary search)."""
+        node, time_ = self._node, self._time
+
+        def recent(key: int) -> bool:
+            seg = node.get(key)
+            return seg is not None and time_[seg] >= since
+
+        hi = len(chain)
+        if not hi or not recent(chain[0]):
+            return 0
+        if recent(chain[-1]):
+            return hi
+        return hi - bisect_left(chain[::-1], True, key=recent)
+
+    def touch(self, chain: Sequence[int], now: float) -> None:
+        """Mark the chain (root side first) used at ``now``: every key of it is now more recent
+        than any key outside it, its root the most recent."""
+        if not chain:
+            return
+        t = now if now > self._t else math.nextafter(self._t, math.inf)
+        self._t = t
+        node = self._node
+        p = leading_run(node, chain)
+        seg = -1
+        if p:
+            last = chain[p - 1]
+            seg = node[last]
+            if self._keys[self._end[seg] - 1] != last:
+                seg = self._split(seg, last)
+        if p < len(chain):
+            self._grow(chain[p:], chain[p - 1] if p else None, t)
+        time_, entry, parent, rooted, log = self._time, self._entry, self._parent, self._rooted, self._log
+        steps = len(entry)  # (a bound for keys that do not chain, which could make a cycle)
+        while seg >= 0 and steps:  # the path to the root, deepest first
+            time_[seg] = t
+            entry[seg] = self._base + len(log)
+            log.append(seg)
+            seg = -1 if rooted[seg] else node.get(parent[seg], -1)
+            steps -= 1
+        if len(log) > 2 * (len(self._entry) - len(self._free)) + _COMPACT_MIN:
+            self._compact_log()
+
+    def evict_to(self, capacity: int) -> list[int]:
+        """Drop the least recently used keys until at most ``capacity`` remain; returns them."""
+        node = self._node
+        excess = len(node) - capacity
+        if excess <= 0:
+            return []
+        keys, start, end, entry, log = self._keys, self._start, self._end, self._entry, self._log
+        h, base = self._head, self._base
+        gone: list[int] = []
+        while excess > 0:
+            seg = log[h]
+            if entry[seg] != base + h:  # a stale entry: the segment was used since, or freed
+                h += 1
+                continue
+            s, e = start[seg], end[seg]
+            k = min(excess, e - s)
+            cut = keys[e - k : e].tolist()
+            cut.reverse()  # deepest first
+            deque(map(node.pop, cut, repeat(None)), maxlen=0)
+            gone += cut
+            excess = len(node) - capacity  # (a key listed twice in a segment counts once)
+            if k == e - s:
+                entry[seg] = -1
+                self._free.append(seg)
+                h += 1
+            else:
+                end[seg] = e - k
+        self._head = h
+        if len(keys) > 2 * len(node) + _COMPACT_MIN:
+            self._compact_keys()
+        return gone
+
+    def oldest(self) -> float | None:
+        """When the least recently used key was last touched; ``None`` when empty."""
+        if not self._node:
+            return None
+        log, entry, h, base = self._log, self._entry, self._head, self._base
+        while entry[log[h]] != base + h:
+            h += 1
+        self._head = h
+        return self._time[log[h]]
+
+    def _new_id(self) -> int:
+        if self._free:
+            return self._free.pop()
+        for column in (self._start, self._end, self._parent, self._entry):
+            column.append(0)
+        self._time.append(0.0)
+        self._rooted.append(0)
+        return len(self._entry) - 1
+
+    def _grow(self, new: Sequence[int], parent: int | None, t: float) -> None:
+        """A segment of the keys ``new``, under the segment ending at ``parent``; logged."""
+        node = self._node
+        seg = self._new_id()
+        # setdefault at C speed: a key already held elsewhere (never, for keys that chain)
+        # ends the segment before it, so a key always belongs to one segment.
+        found = list(map(node.setdefault, new, repeat(seg)))
+        if found.count(seg) != len(new):
+            j = next(i for i, s in enumerate(found) if s != seg)
+            kept = set(new[:j])
+            for k in new[j:]:
+                if k not in kept and node.get(k) == seg:
+                    del node[k]
+            new = new[:j]
+            if not new:
+                self._free.append(seg)
+                self._entry[seg] = -1
+                return
+        keys = self._keys
+        self._start[seg] = len(keys)
+        keys.extend(new)
+        self._end[seg] = len(keys)
+        self._time[seg] = t
+        self._rooted[seg] = parent is None
+        self._parent[seg] = 0 if parent is None else parent
+        self._entry[seg] = self._base + len(self._log)
+        self._log.append(seg)
+
+    def _split(self, seg: int, last: int) -> int:
+        """Cut ``seg`` after its key ``last``; returns the id of the part ending at ``last``.
+        The smaller part gets a new id (its keys re-pointed); the tail keeps the old last use
+        and log entry, the head is about to be stamped."""
+        keys, start, end = self._keys, self._start, self._end
+        s, e = start[seg], end[seg]
+        cut = keys.index(last, s, e) + 1
+        new = self._new_id()
+        if cut - s <= e - cut:  # the head is new
+            start[new], end[new] = s, cut
+            self._parent[new], self._rooted[new] = self._parent[seg], self._rooted[seg]
+            self._entry[new] = -2  # not logged yet: the caller's path logs it
+            start[seg] = cut
+            self._parent[seg], self._rooted[seg] = last, 0
+            self._node.update(zip(keys[s:cut].tolist(), repeat(new)))
+            return new
+        start[new], end[new] = cut, e  # the tail is new: it takes over the live log entry
+        self._parent[new], self._rooted[new] = last, 0
+        self._time[new] = self._time[seg]
+        pos = self._entry[seg]
+        self._entry[new] = pos
+        if pos >= 0:
+            self._log[pos - self._base] = new
+        self._entry[seg] = -2
+        end[seg] = cut
+        self._node.update(zip(keys[cut:e].tolist(), repeat(new)))
+        return seg
+
+    def _compact_log(self) -> None:
+        """Keep only the live entries, in order (numpy, at C speed)."""
+        log = np.frombuffer(self._log, np.int64)[self._head :]
+        entry = np.frombuffer(self._entry, np.int64)
+        live = log[entry[log] == np.arange(self._head, self._head + len(log)) + self._base]
+        entry[live] = np.arange(len(live))
+        del log, entry
+        self._log = array("q", live.tobytes())
+        self._head = self._base = 0
+
+    def _compact_keys(self) -> None:
+        """Rewrite the key array with only the live segments' keys (numpy, at C speed)."""
+        entry = np.frombuffer(self._entry, np.int64)
+        start = np.frombuffer(self._start, np.int64)
+        end = np.frombuffer(self._end, np.int64)
+        live = np.flatnonzero(entry != -1)
+        lengths = end[live] - start[live]
+        new_start = np.cumsum(lengths) - lengths
+        # every live key's old position: its segment's old start plus its offset in it
+        offsets = np.arange(int(lengths.sum())) - np.repeat(new_start, lengths)
+        keys = np.frombuffer(self._keys, np.uint64)[np.repeat(start[live], lengths) + offsets]
+        start[live] = new_start
+        end[live] = new_start + lengths
+        del entry, start, end
+        self._keys = array("Q", keys.tobytes())

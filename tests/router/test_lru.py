@@ -3,12 +3,13 @@ compacted."""
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 from hypothesis import given, settings, strategies as st
 
 from tidal.router import lru as lru_module
-from tidal.router.lru import BlockLRU
+from tidal.router.lru import BlockLRU, ChainLRU, leading_run
 
 _touch = st.lists(st.integers(0, 40), min_size=0, max_size=12, unique=True).map(lambda ks: ("touch", ks))
 _evict = st.integers(0, 30).map(lambda cap: ("evict", cap))
@@ -48,3 +49,87 @@ def test_a_touch_in_the_same_instant_still_orders_after_the_previous_one() -> No
     lru.touch([1], 5.0)
     assert lru.evict_to(1) == [2]
     assert list(lru.held) == [1]
+
+
+def _chain(base: list[int], extend: list[int]) -> list[int]:
+    """``base`` then keys that name their prefix, as block hashes do."""
+    out = list(base)
+    for x in extend:
+        out.append(hash((tuple(out), x)) & (2**64 - 1))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("touch"),
+                st.integers(0, 50),
+                st.integers(0, 8),
+                st.lists(st.integers(0, 3), max_size=6),
+            ),
+            st.tuples(st.just("evict"), st.integers(0, 30), st.just(0), st.just([])),
+        ),
+        max_size=100,
+    )
+)
+def test_chain_lru_is_a_block_lru_touched_last_to_first(ops: list[tuple[str, int, int, list[int]]]) -> None:
+    """On keys that chain, ChainLRU evicts exactly what BlockLRU evicts when each chain is touched
+    from its last key to its first, and answers the leading and recent runs the same."""
+    lru_module._COMPACT_MIN = 4  # compact the log and the key array often (restored below)
+    try:
+        lru, ref = ChainLRU(), BlockLRU()
+        chains: list[list[int]] = []
+        now = 0.0
+        for op, a, b, extend in ops:
+            now += 1.0
+            if op == "touch":
+                base = chains[a % len(chains)] if chains and a else []
+                chain = _chain(base[: b % (len(base) + 1)], extend)
+                chains.append(chain)
+                lru.touch(chain, now)
+                ref.touch(chain[::-1], now)
+            else:
+                assert lru.evict_to(a) == ref.evict_to(a)
+            assert len(lru) == len(ref)
+            assert set(lru.held) == set(ref.held)
+            assert lru.oldest() == ref.oldest()
+            for chain in chains[-4:]:
+                assert lru.leading(chain) == leading_run(ref.held, chain)
+                for since in (now - 2, now - 8):
+                    expected = 0
+                    while expected < len(chain) and ref.held.get(chain[expected], -math.inf) >= since:
+                        expected += 1
+                    assert lru.recent(chain, since) == expected
+    finally:
+        lru_module._COMPACT_MIN = 4096
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.lists(st.integers(0, 12), max_size=8).map(lambda ks: ("touch", ks)),
+            st.integers(0, 10).map(lambda cap: ("evict", cap)),
+        ),
+        max_size=80,
+    )
+)
+def test_chain_lru_stays_bounded_on_keys_that_do_not_chain(ops: list[tuple[str, object]]) -> None:
+    """Keys that repeat or cross (never, for block hashes) end neither in a loop nor beyond the
+    capacity, and every held key belongs to a live segment."""
+    lru_module._COMPACT_MIN = 4
+    try:
+        lru = ChainLRU()
+        for i, (op, arg) in enumerate(ops):
+            if op == "touch":
+                assert isinstance(arg, list)
+                lru.touch(arg, float(i // 2))
+            else:
+                assert isinstance(arg, int)
+                lru.evict_to(arg)
+                assert len(lru) <= arg
+            assert (lru.oldest() is None) == (len(lru) == 0)
+    finally:
+        lru_module._COMPACT_MIN = 4096

@@ -8,7 +8,8 @@ a replica that takes many long prompts forgets old ones as its engine would. A p
 are touched from last to first, like vLLM frees them: the shared head of a conversation stays
 the most recent, its tail goes first, and what the index holds of any chain is a prefix of it.
 That lets the match be a binary search: ``O(log blocks)`` per candidate. The LRUs are
-:class:`~router.lru.BlockLRU` (nothing the garbage collector walks, however full).
+:class:`~router.lru.ChainLRU`: a touch costs the blocks a prompt adds, not those it repeats, and
+nothing in them is walked by the garbage collector, however full.
 
 **At pool scale** it nominates the replicas holding the longest runs of the prompt, from an
 inverted index: for the blocks at positions 0, 1, 3, 7, ... (``2^j - 1``) of every prompt sent,
@@ -55,7 +56,6 @@ Config example::
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -65,7 +65,7 @@ from sortedcontainers import SortedList
 
 from tidal.router.framework import PluginKind
 from tidal.router.kv_events import BlockHolders
-from tidal.router.lru import BlockLRU
+from tidal.router.lru import ChainLRU, leading_run
 from tidal.router.plugins.base import PluginParams, parse_params
 from tidal.router.pool import Candidates, PoolCandidates
 from tidal.router.types import CycleState, ReplicaView, RouteRequest, StateKey
@@ -77,7 +77,6 @@ __all__ = [
     "UNCACHED_SHARE",
     "KVIndex",
     "leading_run",
-    "recent_run",
 ]
 
 KV_INDEX_TYPE = "kv-index"
@@ -96,31 +95,6 @@ class Params(PluginParams):
     nominees: int = Field(default=8, ge=1, le=1024)
 
 
-def leading_run(held: Mapping[int, Any], blocks: Sequence[int], reverse: Sequence[int] | None = None) -> int:
-    """How many of ``blocks`` lead the sequence inside ``held``, assuming what is held of the
-    chain is a prefix of it (binary search at C speed over ``reverse``, the blocks last to first,
-    given when the caller has it; none and all are answered first, in one probe)."""
-    hi = len(blocks)
-    if not hi or blocks[0] not in held:
-        return 0
-    if blocks[-1] in held:
-        return hi
-    # Last to first, the blocks go from not held to held: the first held is where the run ends.
-    return hi - bisect_left(blocks[::-1] if reverse is None else reverse, True, key=held.__contains__)
-
-
-def recent_run(held: Mapping[int, float], blocks: Sequence[int], since: float) -> int:
-    """How many of ``blocks`` lead the sequence inside ``held`` with a last use at or after
-    ``since``."""
-    n = 0
-    for b in blocks:
-        t = held.get(b)
-        if t is None or t < since:
-            break
-        n += 1
-    return n
-
-
 class KVIndex:
     TYPE: ClassVar[str] = KV_INDEX_TYPE
     KIND: ClassVar[PluginKind] = "producer"
@@ -129,7 +103,7 @@ class KVIndex:
     def __init__(self, name: str = KV_INDEX_TYPE, params: Params | None = None) -> None:
         self.name = name
         self.params = params or Params()
-        self._lru: dict[str, BlockLRU] = {}
+        self._lru: dict[str, ChainLRU] = {}
         self._sent: dict[str, tuple[float, float]] = {}  # moving sums: uncached, prompt tokens
         # The inverted index: level block -> bitmask of the replicas holding it.
         self._holders = BlockHolders()
@@ -181,10 +155,8 @@ class KVIndex:
             if lru is None:
                 cached[name] = 0
                 tail_age[name] = inf
-                held: Mapping[int, float] = _EMPTY
             else:
-                held = lru.held
-                cached[name] = min(tokens, leading_run(held, blocks, reverse) * bt) if blocks else 0
+                cached[name] = min(tokens, lru.leading(blocks, reverse) * bt) if blocks else 0
                 oldest = lru.oldest() if len(lru) >= self.capacity(c, bt) else None
                 tail_age[name] = inf if oldest is None else max(0.0, now - oldest)
             idx = c.kv_events
@@ -193,8 +165,8 @@ class KVIndex:
                 hit = idx.leading(engine_keys(bs)) * bs if bs and len(idx) else 0
                 if idx.complete:
                     sent = (
-                        min(tokens, recent_run(held, blocks, now - self.params.pending_s) * bt)
-                        if blocks
+                        min(tokens, lru.recent(blocks, now - self.params.pending_s) * bt)
+                        if blocks and lru is not None
                         else 0
                     )
                     cached[name] = max(hit, sent)
@@ -223,8 +195,8 @@ class KVIndex:
         name = picked.name
         lru = self._lru.get(name)
         if lru is None:
-            lru = self._lru[name] = BlockLRU()
-        lru.touch(blocks[::-1], state.now)
+            lru = self._lru[name] = ChainLRU()
+        lru.touch(blocks, state.now)
         holders = self._holders
         bit = holders.bit(name)
         for i in _levels(len(blocks)):
@@ -391,9 +363,6 @@ def _set_bits(held: int) -> list[int]:
     raw = np.frombuffer(held.to_bytes((held.bit_length() + 7) // 8, "little"), np.uint8)
     positions: list[int] = np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
     return positions
-
-
-_EMPTY: dict[int, float] = {}
 
 
 def _levels(n: int) -> list[int]:
