@@ -31,11 +31,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from itertools import filterfalse
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from sortedcontainers import SortedList
 
 from tidal.router.types import ReplicaView, StateKey
+
+_NAME = itemgetter(2)  # the name in an order key
 
 if TYPE_CHECKING:
     from tidal.router.registry import ReplicaState
@@ -187,6 +190,10 @@ class PoolIndex(Sequence[ReplicaView]):
         views, slot = self._views, self._slot
         for _, _, name in self._order:
             yield views[slot[name]]
+
+    def names_by_load(self) -> Iterator[str]:
+        """The names in :meth:`least_loaded`'s order, at C speed (for ``filter`` and ``islice``)."""
+        return map(_NAME, self._order)
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, cached until :attr:`version` moves (for results that depend only on what

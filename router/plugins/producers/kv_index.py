@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import islice
 from typing import Any, ClassVar
 
 import numpy as np
@@ -271,10 +272,9 @@ class KVIndex:
             kept[:] = [self._full_version, frozenset(n for n in pool.names() if n not in tail_of)]
         room: frozenset[str] = kept[1]
         if len(room) * _SPARSE > len(pool):  # many: met early walking the load order
-            for v in pool.least_loaded():
-                if v.name in room and v.name in candidates:
-                    return v.name
-            return None
+            return next(
+                filter(candidates.__contains__, filter(room.__contains__, pool.names_by_load())), None
+            )
         inside = [n for n in room if n in candidates]
         return min(inside, key=pool.order_key) if inside else None
 
@@ -323,18 +323,15 @@ def _least_loaded_of(
     held: int, k: int, candidates: Candidates, names: Sequence[str | None], bits: Mapping[str, int]
 ) -> list[str]:
     """Up to ``k`` candidates among the replicas whose bits are set in ``held``, least loaded
-    first. Holders that are a large share of the pool are met early walking the pool's load
-    order; fewer are listed and sorted. Either way about ``pool / _SPARSE`` steps at most."""
+    first. Holders that are a large share of the pool are met walking the pool's load order at C
+    speed; fewer are listed and sorted."""
     count = held.bit_count()
     if isinstance(candidates, PoolCandidates) and count * _SPARSE > len(candidates.pool):
-        out: list[str] = []
-        for v in candidates.pool.least_loaded():
-            b = bits.get(v.name)
-            if b is not None and held >> b & 1 and v.name in candidates:
-                out.append(v.name)
-                if len(out) >= k:
-                    break
-        return out
+        # Walked to in the pool's load order at C speed: holders are often the busiest replicas
+        # (a prefix draws its conversations there), so the walk can pass most of the pool.
+        holding = set(filter(None, map(names.__getitem__, _set_bits(held))))
+        order = filter(holding.__contains__, candidates.pool.names_by_load())
+        return list(islice(filter(candidates.__contains__, order), k))
     found: list[str] = []
     if isinstance(candidates, PoolCandidates) and count > _LISTED_IN_C:
         found = candidates.among(filter(None, map(names.__getitem__, _set_bits(held))))
