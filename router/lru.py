@@ -314,9 +314,9 @@ class ChainLRU:
         found = list(map(node.setdefault, new, repeat(seg)))
         if found.count(seg) != len(new):
             j = next(i for i, s in enumerate(found) if s != seg)
-            kept = set(new[:j])
+            ours = set(new[:j])
             for k in new[j:]:
-                if k not in kept and node.get(k) == seg:
+                if k not in ours and node.get(k) == seg:
                     del node[k]
             new = new[:j]
             if not new:
@@ -325,12 +325,12 @@ class ChainLRU:
                 return
         # Into the room at the end of the key array, doubled when short: ``array.extend`` grows
         # by a sixteenth, and each growth copied the whole array (~1 ms at 40,000 keys).
-        keys, kept = self._keys, self._kept
-        if kept + len(new) > len(keys):
+        keys, used = self._keys, self._kept
+        if used + len(new) > len(keys):
             keys.frombytes(bytes(8 * max(len(keys), len(new), 1024)))
-        keys[kept : kept + len(new)] = array("Q", new)
-        self._start[seg] = kept
-        self._end[seg] = self._kept = kept + len(new)
+        keys[used : used + len(new)] = array("Q", new)
+        self._start[seg] = used
+        self._end[seg] = self._kept = used + len(new)
         self._time[seg] = t
         self._rooted[seg] = parent is None
         self._parent[seg] = 0 if parent is None else parent

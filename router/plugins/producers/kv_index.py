@@ -157,7 +157,7 @@ class KVIndex:
                 cached[name] = 0
                 tail_age[name] = inf
             else:
-                cached[name] = min(tokens, lru.leading(blocks, reverse) * bt) if blocks else 0
+                cached[name] = min(tokens, leading_run(lru.held, blocks, reverse) * bt) if blocks else 0
                 oldest = lru.oldest() if len(lru) >= self.capacity(c, bt) else None
                 tail_age[name] = inf if oldest is None else max(0.0, now - oldest)
             idx = c.kv_events
