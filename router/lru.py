@@ -32,7 +32,7 @@ import math
 from array import array
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from itertools import compress, repeat
 from operator import eq
 
@@ -132,13 +132,21 @@ def leading_run(held: Container[int], blocks: Sequence[int], reverse: Sequence[i
     """How many of ``blocks`` lead the sequence inside ``held``, assuming what is held of the
     chain is a prefix of it (binary search at C speed over ``reverse``, the blocks last to first,
     given when the caller has it; none and all are answered first, in one probe)."""
+    return _leading_where(held.__contains__, blocks, reverse)
+
+
+def _leading_where(
+    ok: Callable[[int], bool], blocks: Sequence[int], reverse: Sequence[int] | None = None
+) -> int:
+    """How many of ``blocks`` lead the sequence where ``ok`` holds, assuming it holds for a
+    prefix of it (see :func:`leading_run`)."""
     hi = len(blocks)
-    if not hi or blocks[0] not in held:
+    if not hi or not ok(blocks[0]):
         return 0
-    if blocks[-1] in held:
+    if ok(blocks[-1]):
         return hi
-    # Last to first, the blocks go from not held to held: the first held is where the run ends.
-    return hi - bisect_left(blocks[::-1] if reverse is None else reverse, True, key=held.__contains__)
+    # Last to first, the blocks go from not ok to ok: the first ok is where the run ends.
+    return hi - bisect_left(blocks[::-1] if reverse is None else reverse, True, key=ok)
 
 
 class ChainLRU:
@@ -219,12 +227,7 @@ class ChainLRU:
             seg = node.get(key)
             return seg is not None and time_[seg] >= since
 
-        hi = len(chain)
-        if not hi or not recent(chain[0]):
-            return 0
-        if recent(chain[-1]):
-            return hi
-        return hi - bisect_left(chain[::-1], True, key=recent)
+        return _leading_where(recent, chain)
 
     def touch(self, chain: Sequence[int], now: float) -> None:
         """Mark the chain (root side first) used at ``now``: every key of it is now more recent

@@ -118,7 +118,7 @@ def test_chain_lru_is_a_block_lru_touched_last_to_first(ops: list[tuple[str, int
 )
 def test_chain_lru_stays_bounded_on_keys_that_do_not_chain(ops: list[tuple[str, object]]) -> None:
     """Keys that repeat or cross (never, for block hashes) end neither in a loop nor beyond the
-    capacity, and every held key belongs to a live segment."""
+    capacity, and the LRU knows its oldest key whenever it holds any."""
     lru_module._COMPACT_MIN = 4
     try:
         lru = ChainLRU()

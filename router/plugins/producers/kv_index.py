@@ -56,7 +56,7 @@ Config example::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any, ClassVar
 
@@ -312,16 +312,14 @@ def _deepest(
     for i in reversed(_levels(len(keys))):
         held = masks.get(keys[i], 0) & ~taken
         if held:
-            for name in _least_loaded_of(held, limit - len(out), candidates, holders.names, bits):
+            for name in _least_loaded_of(held, limit - len(out), candidates, holders.names):
                 out.append(name)
                 taken |= 1 << bits[name]
             if len(out) >= limit:
                 return
 
 
-def _least_loaded_of(
-    held: int, k: int, candidates: Candidates, names: Sequence[str | None], bits: Mapping[str, int]
-) -> list[str]:
+def _least_loaded_of(held: int, k: int, candidates: Candidates, names: Sequence[str | None]) -> list[str]:
     """Up to ``k`` candidates among the replicas whose bits are set in ``held``, least loaded
     first. Holders that are a large share of the pool are met walking the pool's load order at C
     speed; fewer are listed and sorted."""
@@ -329,12 +327,12 @@ def _least_loaded_of(
     if isinstance(candidates, PoolCandidates) and count * _SPARSE > len(candidates.pool):
         # Walked to in the pool's load order at C speed: holders are often the busiest replicas
         # (a prefix draws its conversations there), so the walk can pass most of the pool.
-        holding = set(filter(None, map(names.__getitem__, _set_bits(held))))
+        holding = set(_holder_names(held, names))
         order = filter(holding.__contains__, candidates.pool.names_by_load())
         return list(islice(filter(candidates.__contains__, order), k))
     found: list[str] = []
     if isinstance(candidates, PoolCandidates) and count > _LISTED_IN_C:
-        found = candidates.among(filter(None, map(names.__getitem__, _set_bits(held))))
+        found = candidates.among(_holder_names(held, names))
     else:
         while held:
             low = held & -held
@@ -352,6 +350,11 @@ def _least_loaded_of(
 
 
 _LISTED_IN_C = 8  # holders above this many are listed by numpy, not bit by bit
+
+
+def _holder_names(held: int, names: Sequence[str | None]) -> Iterator[str]:
+    """The names of the replicas whose bits are set in ``held`` (freed bits skipped)."""
+    return filter(None, map(names.__getitem__, _set_bits(held)))
 
 
 def _set_bits(held: int) -> list[int]:
