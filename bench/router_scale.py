@@ -48,18 +48,22 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import math
 import os
+import pickle
 import random
 import string
+import sys
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from prometheus_client import CollectorRegistry
@@ -82,6 +86,8 @@ from tidal.router.types import CycleState, RouteRequest
 
 __all__ = ["run"]
 
+T = TypeVar("T")
+
 POOL = "interactive"
 BASELINE = "round_robin"
 DECISION_S = 0.001  # virtual time between decisions
@@ -92,6 +98,7 @@ BLOCK_TOKENS = 16
 WARMUP = 200
 FEATURES = 8
 QUICK_FILL = 5_000
+SPREAD = 8  # replicas' fills differ by up to 1/SPREAD of the target
 
 
 @dataclass
@@ -199,23 +206,40 @@ def _fill(
     registry: ReplicaRegistry,
     clock: ManualClock,
     target: int,
+    capacity: int,
     max_rss: int,
     rss: Callable[[], int],
     rng: random.Random,
-) -> int:
+) -> tuple[int, int, bool]:
     """Old conversations into every producer's indexes, round after round over the replicas,
-    until each holds ``target`` blocks or the RSS bound is reached; the blocks every replica got."""
+    until each holds its share of ``target`` blocks or the RSS bound is reached; returns the mean
+    and the least blocks a replica holds, and whether the RSS bound stopped it.
+
+    The replicas' fills are spread (a live pool's replicas do not all hold the same history): a
+    replica gets up to an eighth less than ``target`` below ``capacity``; at ``capacity``, up to
+    an eighth more, which it evicts, so every index is full. Filled alike, every replica of a large
+    pool reached the same growth point of its dicts and arrays together, and the first decisions
+    after the fill all paid it (a tenth of the decisions at 2,048 replicas)."""
     if not producers or target <= 0:
-        return 0
+        return 0, 0, False
     views = registry.views(POOL)
     model = views[0].model
-    rounds = math.ceil(target / FILL_CALL_BLOCKS)
-    filled = 0
+    spread = [int(rng.random() * target / SPREAD) for _ in views]
+    wants = [target + s if target >= capacity else target - s for s in spread]
+    got = [0] * len(views)
+    rounds = math.ceil(max(wants) / FILL_CALL_BLOCKS)
+
+    def held(stopped: bool) -> tuple[int, int, bool]:
+        resident = [min(g, capacity) for g in got]
+        return sum(resident) // len(resident), min(resident), stopped
+
     for r in range(rounds):
-        k = min(FILL_CALL_BLOCKS, target - filled)
         for j, view in enumerate(views):
+            k = min(FILL_CALL_BLOCKS, wants[j] - got[j])
+            if k <= 0:
+                continue
             if j % 64 == 0 and rss() >= max_rss:
-                return filled
+                return held(True)
             request = RouteRequest(
                 model=model,
                 prefix_key=rng.getrandbits(64),
@@ -227,9 +251,9 @@ def _fill(
             for p in producers:
                 p.produce(request, views, [view], state)
                 p.after_pick(request, view, state)
-        filled += k
+            got[j] += k
         clock.advance(FILL_SPAN_S / rounds)
-    return filled
+    return held(False)
 
 
 def _measure(
@@ -302,13 +326,39 @@ def _measure(
 def _pool(
     n: int,
     profiles: list[str],
-    requests: list[RouteRequest],
+    count: int,
     fill: int | None,
     max_rss: int,
     freeze: str,
     seed: int,
+    isolate: bool,
 ) -> list[dict[str, Any]]:
-    """Every profile on one pool of ``n`` replicas, its indexes filled first."""
+    """Every profile on a pool of ``n`` replicas: each on its own pool, with only its own indexes
+    filled (a gateway fills the indexes of the profiles its traffic uses), in a child process of
+    its own when ``isolate`` (what one profile leaves in memory never weighs on the next)."""
+    rows = []
+    for name in profiles:
+        job = functools.partial(_profile, n, name, count, fill, max_rss, freeze, seed)
+        rows.append(_in_child(job) if isolate else job())
+    base = next(r["decision_p50_us"] for r in rows if r["profile"] == BASELINE)
+    for r in rows:
+        r["vs_round_robin"] = r["decision_p50_us"] / base if base > 0 else math.nan
+    return rows
+
+
+def _profile(
+    n: int,
+    profile: str,
+    count: int,
+    fill: int | None,
+    max_rss: int,
+    freeze: str,
+    seed: int,
+) -> dict[str, Any]:
+    """One profile on a pool of ``n`` replicas, its indexes filled first, over ``count`` requests
+    built here: read in a forked child, requests built before the fork cost a copy-on-write page
+    fault at every first touch (a third of a decision at 8 replicas)."""
+    requests = _requests(bench_fleet(1), count, seed)
     rss = _rss_reader()
     gc.collect()
     clock = ManualClock()
@@ -321,45 +371,71 @@ def _pool(
     kv_index = next((p for p in router.producers() if isinstance(p, KVIndex)), KVIndex())
     capacity = kv_index.capacity(registry.views(POOL)[0], BLOCK_TOKENS)
     target = capacity if fill is None else fill
-    producers = router.producers(profiles)  # one producer may serve several profiles: filled once
+    producers = router.producers([profile])
+    indexes = ",".join(p.TYPE for p in producers)
     if freeze == "start":
         gc.freeze()  # as the gateway at start: what fills the indexes later stays in sight
     try:
         t0 = time.perf_counter()
-        filled = _fill(producers, registry, clock, target, max_rss, rss, rng)
+        mean, least, stopped = _fill(producers, registry, clock, target, capacity, max_rss, rss, rng)
         gc.collect()
         if freeze == "filled":
             gc.freeze()
-        stopped = " (stopped at --max-rss-gb)" if filled < target else ""
-        click.echo(
-            f"{n} replicas: indexes ({', '.join(p.TYPE for p in producers) or 'none'}) filled to "
-            f"{filled:,} of {target:,} blocks per replica{stopped} in {time.perf_counter() - t0:.1f} s; "
-            f"RSS {rss() / 2**30:.2f} GB"
-        )
-        cap = fleet.pools[POOL].max_inflight_per_replica
-        rows = []
-        for name in profiles:
-            measured = _measure(router, name, registry, clock, requests, n * cap // 2, rng)
-            indexes = ",".join(p.TYPE for p in router.profiles[name].producers)
-            rows.append(
-                {
-                    "profile": name,
-                    "replicas": n,
-                    "decisions": len(requests) - WARMUP,
-                    **measured,
-                    "blocks_per_replica": filled if indexes else 0,
-                    "blocks_target": capacity,
-                    "indexes": indexes,
-                    "freeze": freeze,
-                    "rss_gb": rss() / 2**30,
-                }
+        if producers:
+            click.echo(
+                f"{n} replicas, {profile}: indexes ({indexes}) filled to {mean:,} blocks per replica "
+                f"(least {least:,}; target {target:,}){' (stopped at --max-rss-gb)' if stopped else ''} in {time.perf_counter() - t0:.1f} s; "
+                f"RSS {rss() / 2**30:.2f} GB"
             )
+        cap = fleet.pools[POOL].max_inflight_per_replica
+        measured = _measure(router, profile, registry, clock, requests, n * cap // 2, rng)
+        return {
+            "profile": profile,
+            "replicas": n,
+            "decisions": len(requests) - WARMUP,
+            **measured,
+            "blocks_per_replica": mean,
+            "blocks_min": least,
+            "blocks_target": capacity,
+            "indexes": indexes,
+            "freeze": freeze,
+            "rss_gb": rss() / 2**30,
+        }
     finally:
         gc.unfreeze()
-    base = next(r["decision_p50_us"] for r in rows if r["profile"] == BASELINE)
-    for r in rows:
-        r["vs_round_robin"] = r["decision_p50_us"] / base if base > 0 else math.nan
-    return rows
+
+
+def _in_child(job: Callable[[], T]) -> T:
+    """``job()`` in a forked child process; its result (pickled back), or its error raised here.
+    Where there is no ``fork``, here."""
+    if not hasattr(os, "fork"):
+        return job()
+    sys.stdout.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller's code
+        code = 0
+        try:
+            try:
+                payload = pickle.dumps((True, job()))
+            except BaseException:  # reported to the parent, which raises it
+                payload = pickle.dumps((False, traceback.format_exc()))
+                code = 1
+            sys.stdout.flush()
+            with os.fdopen(write, "wb") as out:
+                out.write(payload)
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as inp:
+        payload = inp.read()
+    os.waitpid(pid, 0)
+    if not payload:
+        raise RuntimeError("the benchmark's child process died without a result")
+    ok, value = pickle.loads(payload)
+    if not ok:
+        raise RuntimeError(f"the benchmark's child process failed:\n{value}")
+    return value  # type: ignore[no-any-return]
 
 
 def _targets(rows: list[dict[str, Any]], decisions: int) -> None:
@@ -403,6 +479,7 @@ def run(
     max_rss_gb: str | float = 8.0,
     freeze: str = "start",
     seed: str | int = 0,
+    isolate: str | bool = True,
     **_: Any,
 ) -> list[dict[str, Any]]:
     """Rows per pool size x profile, as in the module docstring."""
@@ -424,16 +501,19 @@ def run(
     n_decisions = int(decisions) if decisions is not None else (2_000 if quick else 20_000)
     blocks = int(fill) if fill is not None else (QUICK_FILL if quick else None)
     seed = int(seed)
+    alone = str(isolate).lower() not in ("0", "false", "no", "off")
     t0 = time.perf_counter()
     requests = _requests(bench_fleet(1), WARMUP + n_decisions, seed)
     mean_tokens = sum(r.prompt_tokens for r in requests) / len(requests)
     click.echo(
         f"{len(requests):,} chat requests ({WARMUP} warm-up), {mean_tokens:.0f} prompt tokens on average, "
-        f"built in {time.perf_counter() - t0:.1f} s"
+        f"built in {time.perf_counter() - t0:.1f} s (and again for each run)"
     )
+    count = len(requests)
+    del requests  # (each run builds its own)
     rows: list[dict[str, Any]] = []
     for n in sizes:
-        rows += _pool(n, chosen, requests, blocks, int(float(max_rss_gb) * 2**30), freeze, seed)
+        rows += _pool(n, chosen, count, blocks, int(float(max_rss_gb) * 2**30), freeze, seed, alone)
     from tidal.cli.bench import print_table
 
     print_table(
@@ -449,6 +529,7 @@ def run(
             "gc_collections",
             "gc_full_ms",
             "blocks_per_replica",
+            "blocks_min",
             "blocks_target",
             "unrouted",
         ],

@@ -135,6 +135,16 @@ def leading_run(held: Container[int], blocks: Sequence[int], reverse: Sequence[i
     return _leading_where(held.__contains__, blocks, reverse)
 
 
+def _leads(held: Container[int], chain: Sequence[int], run: int) -> bool:
+    """Whether exactly ``run`` keys of ``chain`` lead it inside ``held`` (two probes, for a
+    prefix-closed set: the last of the run held, the next one not)."""
+    return (
+        0 <= run <= len(chain)
+        and (run == 0 or chain[run - 1] in held)
+        and (run == len(chain) or chain[run] not in held)
+    )
+
+
 def _leading_where(
     ok: Callable[[int], bool], blocks: Sequence[int], reverse: Sequence[int] | None = None
 ) -> int:
@@ -229,15 +239,16 @@ class ChainLRU:
 
         return _leading_where(recent, chain)
 
-    def touch(self, chain: Sequence[int], now: float) -> None:
+    def touch(self, chain: Sequence[int], now: float, held: int | None = None) -> None:
         """Mark the chain (root side first) used at ``now``: every key of it is now more recent
-        than any key outside it, its root the most recent."""
+        than any key outside it, its root the most recent. ``held``: how many of its keys lead
+        it inside the LRU, when the caller has just asked (:meth:`leading`)."""
         if not chain:
             return
         t = now if now > self._t else math.nextafter(self._t, math.inf)
         self._t = t
         node = self._node
-        p = leading_run(node, chain)
+        p = held if held is not None and _leads(node, chain, held) else leading_run(node, chain)
         seg = -1
         if p:
             last = chain[p - 1]

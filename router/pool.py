@@ -16,6 +16,9 @@ visiting every replica (:meth:`router.framework.Profile.run` at pool scale):
   adapters, membership) and not when load does: filter results are cached under it
   (:meth:`memo`).
 
+The load order and the totals are brought up to date when read, not when a view is rebuilt:
+small pools, routed over every candidate, never read them and do not pay for them.
+
 :class:`Candidates` is one decision's candidate set, either a plain list of views (small pools,
 tests) or a pool's filtered members named by sets (pool scale); ring producers walk it and read
 its totals, the same code in both cases.
@@ -72,10 +75,11 @@ class PoolIndex(Sequence[ReplicaView]):
         self._dirty: dict[int, bool] = {}
         self._order: SortedList = SortedList()
         self._counted: dict[str, tuple[float, int, str]] = {}
-        self.full: set[str] = set()  # at or over their in-flight cap
-        self.publishing: dict[str, None] = {}  # whose views carry a KV-event index (in order)
-        self.prefill_total = 0
-        self.load_total = 0.0
+        self._uncounted: dict[str, None] = {}  # names whose current view is not counted yet
+        self._full: set[str] = set()  # at or over their in-flight cap
+        self._publishing: dict[str, None] = {}  # whose views carry a KV-event index (in order)
+        self._prefill_total = 0
+        self._load_total = 0.0
         self.version = 0  # what filters read (see _membership), or who is in the pool, changed
         self.names_version = 0  # who is in the pool changed
         self._memo: dict[Hashable, Any] = {}
@@ -86,15 +90,15 @@ class PoolIndex(Sequence[ReplicaView]):
     def add(self, state: ReplicaState) -> None:
         self._slot[state.name] = len(self._states)
         self._states.append(state)
-        view = state.view()
-        self._views.append(view)
-        self._account(None, view)
+        self._views.append(state.view())
+        self._uncounted[state.name] = None
         self.version += 1
         self.names_version += 1
 
     def remove(self, state: ReplicaState) -> None:
         slot = self._slot.pop(state.name)
-        self._account(self._views[slot], None)
+        self._uncounted.pop(state.name, None)
+        self._uncount(state.name)
         self._dirty.pop(slot, None)
         last = len(self._states) - 1
         if slot != last:  # the last one moves into the hole
@@ -121,34 +125,66 @@ class PoolIndex(Sequence[ReplicaView]):
         """Rebuild the views of the replicas that changed; returns ``self``."""
         if self._dirty:
             dirty, self._dirty = self._dirty, {}
-            views, states = self._views, self._states
+            views, states, uncounted = self._views, self._states, self._uncounted
             for slot, membership in dirty.items():
                 old = views[slot]
                 new = views[slot] = states[slot].view()
-                self._account(old, new)
+                uncounted[new.name] = None
                 if membership and _membership(old) != _membership(new):
                     self.version += 1
         return self
 
-    def _account(self, old: ReplicaView | None, new: ReplicaView | None) -> None:
-        # What was counted is kept: a view's load can change with time (a snapshot going stale).
-        if old is not None:
-            key = self._counted.pop(old.name)
-            self._order.remove(key)
-            self.load_total -= key[0]
-            self.prefill_total -= key[1]
-            self.full.discard(old.name)
-            self.publishing.pop(old.name, None)
-        if new is not None:
+    def _count(self) -> None:
+        """Bring the load order and the totals up to the current views (what :meth:`refresh`
+        rebuilt since they were last read)."""
+        if not self._uncounted:
+            return
+        uncounted, self._uncounted = self._uncounted, {}
+        views, slot = self._views, self._slot
+        for name in uncounted:
+            self._uncount(name)
+            new = views[slot[name]]
             key = _order_key(new)
-            self._counted[new.name] = key
+            self._counted[name] = key
             self._order.add(key)
-            self.load_total += key[0]
-            self.prefill_total += key[1]
+            self._load_total += key[0]
+            self._prefill_total += key[1]
             if new.inflight >= new.cap:
-                self.full.add(new.name)
+                self._full.add(name)
             if new.kv_events is not None:
-                self.publishing[new.name] = None
+                self._publishing[name] = None
+
+    def _uncount(self, name: str) -> None:
+        # What was counted is kept: a view's load can change with time (a snapshot going stale).
+        key = self._counted.pop(name, None)
+        if key is not None:
+            self._order.remove(key)
+            self._load_total -= key[0]
+            self._prefill_total -= key[1]
+            self._full.discard(name)
+            self._publishing.pop(name, None)
+
+    @property
+    def full(self) -> set[str]:
+        """The names of replicas at or over their in-flight cap (read only)."""
+        self._count()
+        return self._full
+
+    @property
+    def publishing(self) -> Mapping[str, None]:
+        """The names of replicas whose views carry a KV-event index, in order (read only)."""
+        self._count()
+        return self._publishing
+
+    @property
+    def load_total(self) -> float:
+        self._count()
+        return self._load_total
+
+    @property
+    def prefill_total(self) -> int:
+        self._count()
+        return self._prefill_total
 
     # -- reading (the router) -----------------------------------------------------------------------
 
@@ -177,22 +213,26 @@ class PoolIndex(Sequence[ReplicaView]):
     def order_key(self, name: str) -> tuple[float, int, str]:
         """Where ``name`` stands in :meth:`least_loaded` (load, queued prefill tokens, name) as
         last counted."""
+        self._count()
         return self._counted[name]
 
     @property
     def order_keys(self) -> Mapping[str, tuple[float, int, str]]:
         """:meth:`order_key` of every replica, as a mapping (read only; its ``__getitem__`` is a
         sort key at C speed)."""
+        self._count()
         return self._counted
 
     def least_loaded(self) -> Iterator[ReplicaView]:
         """Every replica, least loaded first (fewest requests, then fewest queued prefill tokens)."""
+        self._count()
         views, slot = self._views, self._slot
         for _, _, name in self._order:
             yield views[slot[name]]
 
     def names_by_load(self) -> Iterator[str]:
         """The names in :meth:`least_loaded`'s order, at C speed (for ``filter`` and ``islice``)."""
+        self._count()
         return map(_NAME, self._order)
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
@@ -248,6 +288,7 @@ class ViewCandidates(Candidates):
     def __init__(self, candidates: Sequence[ReplicaView], replicas: Sequence[ReplicaView]) -> None:
         self._by_name = {c.name: c for c in candidates}
         self._replicas = replicas
+        self._prefill: float | None = None  # the total, once asked (both rings ask)
         if isinstance(replicas, PoolIndex):
             self.ring_key: Hashable = (id(replicas), replicas.names_version)
         else:
@@ -263,7 +304,9 @@ class ViewCandidates(Candidates):
         return self._by_name.get(name)
 
     def total_prefill(self) -> float:
-        return sum(c.prefill_tokens for c in self._by_name.values())
+        if self._prefill is None:
+            self._prefill = sum(c.prefill_tokens for c in self._by_name.values())
+        return self._prefill
 
     def total_load(self) -> float:
         return sum(c.load for c in self._by_name.values())

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -51,14 +50,23 @@ class HashRing:
         self._hashes = [h for h, _ in points]
         self._owners = [n for _, n in points]
 
+    def owner(self, key: int) -> str | None:
+        """The first replica clockwise from ``key``'s position (the first of :meth:`walk`)."""
+        if not self._hashes:
+            return None
+        return self._owners[self._start(key)]
+
+    def _start(self, key: int) -> int:
+        # Fibonacci mixing spreads keys that are not already uniform (small ids in tests).
+        position = (key * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        return bisect.bisect_left(self._hashes, position) % len(self._hashes)
+
     def walk(self, key: int) -> Iterator[str]:
         """Distinct replicas in clockwise order starting at ``key``'s position."""
         if not self._hashes:
             return
         n = len(self._hashes)
-        # Fibonacci mixing spreads keys that are not already uniform (small ids in tests).
-        position = (key * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        start = bisect.bisect_left(self._hashes, position) % n
+        start = self._start(key)
         seen: set[str] = set()
         for i in range(n):
             owner = self._owners[(start + i) % n]
@@ -90,16 +98,24 @@ def walk_to_fit(
     and stop at the first that ``fits``: ``(target, home, walks)``, ``target`` ``None`` when none
     fits. ``home`` is the key's first candidate on the ring; ``walks`` counts those passed over.
     The walk visits only what it passes, so a decision costs what it walks, not the pool."""
-    candidates = (n for n in ring.walk(key) if is_candidate(n))
-    home = next(candidates, None)
-    order: Iterator[str]
-    if prefer is not None and is_candidate(prefer):
-        rest = itertools.chain((home,) if home is not None else (), candidates)
-        order = itertools.chain((prefer,), (n for n in rest if n != prefer))
-    else:
-        order = itertools.chain((home,) if home is not None else (), candidates)
+    first = ring.owner(key)
+    if first is not None and (prefer is None or prefer == first) and is_candidate(first) and fits(first):
+        return first, first, 0  # the common case, without starting the walk
+    walk = ring.walk(key)
+    home = next(filter(is_candidate, walk), None)
     walks = 0
-    for name in order:
+    if prefer is not None and prefer != home and is_candidate(prefer):
+        if fits(prefer):
+            return prefer, home, 0
+        walks = 1
+    if home is None:
+        return None, None, walks
+    if fits(home):  # the common case: the key's home, without building the rest of the walk
+        return home, home, walks
+    walks += 1
+    for name in filter(is_candidate, walk):  # the same walk, on from home
+        if name == prefer:
+            continue
         if fits(name):
             return name, home, walks
         walks += 1

@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tidal.bench.router_scale import run
+import pytest
+
+from tidal.bench.router_scale import _in_child, run
 from tidal.router.profiles import BUILTIN_PROFILES
 
 CONTRACT = {"profile", "replicas", "decision_p50_us", "decision_p99_us", "gc_pause_max_ms"}
@@ -23,8 +25,12 @@ def test_every_profile_on_every_pool_size_gives_finite_positive_figures(tmp_path
         assert 0 < r["decision_p50_us"] <= r["decision_p99_us"] <= r["decision_max_us"]
         assert math.isfinite(r["decision_p99_us"]) and math.isfinite(r["vs_round_robin"])
         assert r["vs_round_robin"] > 0 and r["gc_pause_max_ms"] >= 0 and r["gc_full_ms"] > 0
-        # Profiles with an index had it filled to what was asked; the others have none.
-        assert r["blocks_per_replica"] == (200 if r["indexes"] else 0)
+        # Profiles with an index had it filled to what was asked, spread over up to an eighth
+        # below it (replicas do not all reach the same growth point together); the others, none.
+        if r["indexes"]:
+            assert 175 <= r["blocks_min"] <= r["blocks_per_replica"] < 200
+        else:
+            assert r["blocks_per_replica"] == r["blocks_min"] == 0
         assert r["blocks_target"] > 200  # a replica's KV capacity in 16-token blocks
     assert {r["vs_round_robin"] for r in rows if r["profile"] == "round_robin"} == {1.0}
 
@@ -36,3 +42,12 @@ def test_the_memory_guard_stops_the_fill_and_the_rows_say_how_far_it_got(tmp_pat
     tidal = rows[0]
     assert tidal["blocks_per_replica"] == 0 < tidal["blocks_target"]
     assert tidal["decision_p50_us"] > 0
+
+
+def test_a_run_that_fails_in_its_child_process_fails_the_benchmark() -> None:
+    def broken() -> int:
+        raise ValueError("no such pool")
+
+    with pytest.raises(RuntimeError, match="no such pool"):
+        _in_child(broken)
+    assert _in_child(lambda: {"rows": [1, 2]}) == {"rows": [1, 2]}

@@ -88,7 +88,9 @@ def test_chain_lru_is_a_block_lru_touched_last_to_first(ops: list[tuple[str, int
                 base = chains[a % len(chains)] if chains and a else []
                 chain = _chain(base[: b % (len(base) + 1)], extend)
                 chains.append(chain)
-                lru.touch(chain, now)
+                # the caller's run when it has one: right, absent, or wrong (then not trusted)
+                hint = (None, lru.leading(chain), b)[a % 3]
+                lru.touch(chain, now, hint)
                 ref.touch(chain[::-1], now)
             else:
                 assert lru.evict_to(a) == ref.evict_to(a)

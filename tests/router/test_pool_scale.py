@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from tidal.bench import router_scale as rs
 from tidal.bench.routing import bench_fleet
 from tidal.clock import ManualClock
+from tidal.replicas.metrics import LoadSnapshot
 from tidal.replicas.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from tidal.router.kv_events import BlockHolders, PromptKeys, ReplicaBlockIndex
 from tidal.router.loader import build_router
@@ -280,3 +281,49 @@ def test_a_replica_that_leaves_is_forgotten_by_every_index() -> None:
             assert gone not in getattr(p, "_lru", {}) and gone not in getattr(p, "_trees", {})
     # and the next replica to join takes the freed bit, which no block carries.
     assert kv._holders.bit("newcomer") == bit
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["acquire", "release", "scrape", "read"]), st.integers(0, 5)),
+        max_size=60,
+    )
+)
+def test_the_load_order_and_totals_are_those_of_the_current_views(ops: list[tuple[str, int]]) -> None:
+    """Counted when read, not when a view is rebuilt: whatever was read in between, the pool's
+    load order, totals and full replicas are those of its current views."""
+    clock = ManualClock()
+    registry = ReplicaRegistry.from_fleet(bench_fleet(6), clock)
+    states = registry.in_pool(rs.POOL)
+    running = [0] * len(states)
+
+    def check(pool: PoolIndex, which: int) -> None:  # one reading at a time: each counts
+        views = list(pool)
+        if which % 4 == 0:
+            assert list(pool.names_by_load()) == [
+                v.name for v in sorted(views, key=lambda v: (v.load, v.prefill_tokens, v.name))
+            ]
+        elif which % 4 == 1:
+            assert pool.load_total == pytest.approx(sum(v.load for v in views))
+        elif which % 4 == 2:
+            assert pool.prefill_total == sum(v.prefill_tokens for v in views)
+        else:
+            assert pool.full == {v.name for v in views if v.inflight >= v.cap}
+
+    for op, i in ops:
+        s = states[i]
+        if op == "acquire":  # in sixes: a replica reaches its cap (16) in three
+            for _ in range(6):
+                registry.acquire(s, None, 100 * (i + 1))
+            running[i] += 6
+        elif op == "release" and running[i]:
+            for _ in range(6):
+                registry.release(s, tpot_s=0.03, pending_prompt_tokens=100 * (i + 1))
+            running[i] -= 6
+        elif op == "scrape":
+            registry.update_snapshot(s.name, LoadSnapshot(num_running=float(i + running[i]), num_waiting=1.0))
+        else:
+            check(registry.views(rs.POOL), i)
+    for which in range(4):
+        check(registry.views(rs.POOL), which)

@@ -77,6 +77,26 @@ def test_tail_age_is_infinite_while_the_cache_has_room() -> None:
     assert ages is not None and all(math.isinf(a) for a in ages.values())
 
 
+def test_a_scrape_that_moves_the_kv_size_moves_the_tail_age_at_once() -> None:
+    # Given a replica with room for 8 blocks of 512 tokens, holding 3,
+    idx = KVIndex()
+    roomy = ReplicaView("s", model="m", snapshot=LoadSnapshot(num_gpu_blocks=256, block_size=16))
+    idx.after_pick(turn(1, 2, 3), roomy, st(turn(1, 2, 3), now=1.0))
+    s = st(turn(1), now=5.0)
+    idx.produce(turn(1), [roomy], [roomy], s)
+    assert s.get(TAIL_AGE) == {"s": math.inf}
+    # when a scrape says its cache now holds 3 (a restart with less memory), its cache is full:
+    # the next decision sees its tail's age before any new pick there,
+    full = ReplicaView("s", model="m", snapshot=LoadSnapshot(num_gpu_blocks=96, block_size=16))
+    s = st(turn(1), now=5.0)
+    idx.produce(turn(1), [full], [full], s)
+    assert s.get(TAIL_AGE) == {"s": 4.0}
+    # and room again, once a scrape says so.
+    s = st(turn(1), now=6.0)
+    idx.produce(turn(1), [roomy], [roomy], s)
+    assert s.get(TAIL_AGE) == {"s": math.inf}
+
+
 def test_uncached_share_tracks_what_recent_picks_had_to_prefill() -> None:
     idx = KVIndex.from_config("kv", {"share_window": 1})
     vs = views()

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from tidal.router.ring import HashRing, bounded_choice, stable_hash
+from tidal.router.ring import HashRing, bounded_choice, stable_hash, walk_to_fit
 
 NAMES = [f"r{i}" for i in range(8)]
 
@@ -104,3 +105,32 @@ def test_work_bound_keeps_an_idle_pool_home_and_spreads_queued_prefill() -> None
     warm[order[2]] = 8_000.0 + 1_000.0  # 8k queued + 1k uncached
     choice = bounded_cost_choice(ring, 42, warm, prefer=order[2])
     assert choice is not None and choice.target == order[2]
+
+
+def _walk_to_fit_by_the_definition(ring, key, is_candidate, fits, prefer=None):  # type: ignore[no-untyped-def]
+    """The walk as its docstring defines it: ``prefer`` first when it is a candidate, then the
+    ring's candidates in clockwise order, each once; the first that fits."""
+    order = [n for n in ring.walk(key) if is_candidate(n)]
+    home = order[0] if order else None
+    if prefer is not None and is_candidate(prefer):
+        order = [prefer] + [n for n in order if n != prefer]
+    for walks, name in enumerate(order):
+        if fits(name):
+            return name, home, walks
+    return None, home, len(order)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    key=st.integers(0, 2**64 - 1),
+    candidates=st.sets(st.sampled_from(NAMES)),
+    fitting=st.sets(st.sampled_from(NAMES)),
+    prefer=st.one_of(st.none(), st.sampled_from(NAMES)),
+)
+def test_the_walk_is_the_one_its_definition_gives(
+    key: int, candidates: set[str], fitting: set[str], prefer: str | None
+) -> None:
+    ring = HashRing(NAMES, virtual_nodes=20)
+    assert walk_to_fit(ring, key, candidates.__contains__, fitting.__contains__, prefer) == (
+        _walk_to_fit_by_the_definition(ring, key, candidates.__contains__, fitting.__contains__, prefer)
+    )

@@ -56,6 +56,7 @@ Config example::
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any, ClassVar
@@ -84,6 +85,7 @@ KV_INDEX_TYPE = "kv-index"
 CACHED_TOKENS: StateKey[dict[str, int]] = StateKey(KV_INDEX_TYPE)
 TAIL_AGE: StateKey[dict[str, float]] = StateKey(f"{KV_INDEX_TYPE}.tail_age")
 UNCACHED_SHARE: StateKey[dict[str, float]] = StateKey(f"{KV_INDEX_TYPE}.uncached_share")
+_RUNS: StateKey[dict[str, int]] = StateKey(f"{KV_INDEX_TYPE}.runs")
 
 
 class Params(PluginParams):
@@ -130,6 +132,10 @@ class KVIndex:
             blocks = max(1, self.params.capacity_tokens // max(1, block_tokens))
         cap = min(self.params.max_blocks_per_replica, blocks)
         self._capacity[replica.name] = (replica.snapshot, block_tokens, cap)
+        if kept is None or kept[2] != cap:
+            lru = self._lru.get(replica.name)
+            if lru is not None:
+                self._retail(replica.name, lru, cap)
         return cap
 
     def produce(
@@ -145,21 +151,32 @@ class KVIndex:
         cached: dict[str, int] = {}
         tail_age: dict[str, float] = {}
         share: dict[str, float] = {}
+        runs: dict[str, int] = {}  # the estimate's leading run per candidate, for after_pick
         now = state.now
         engine_keys = request.engine_keys
         exact = 0
-        lrus, sent_sums, inf = self._lru, self._sent, math.inf
+        lrus, sent_sums, tails, inf = self._lru, self._sent, self._tail_of, math.inf
+        capacities = self._capacity
         reverse = blocks[::-1]
+        first, last, n = (blocks[0], blocks[-1], len(blocks)) if blocks else (0, 0, 0)
         for c in candidates:
             name = c.name
             lru = lrus.get(name)
-            if lru is None:
+            if lru is None or not n:
                 cached[name] = 0
-                tail_age[name] = inf
             else:
-                cached[name] = min(tokens, leading_run(lru.held, blocks, reverse) * bt) if blocks else 0
-                oldest = lru.oldest() if len(lru) >= self.capacity(c, bt) else None
-                tail_age[name] = inf if oldest is None else max(0.0, now - oldest)
+                # leading_run, inlined: the decision's hottest loop
+                held = lru.held.__contains__
+                run = 0 if not held(first) else n if held(last) else n - bisect_left(reverse, True, key=held)
+                runs[name] = run
+                cached[name] = min(tokens, run * bt)
+            # The tail is kept for full caches as of the last insert (a cache changes only then),
+            # or as of a new capacity: a scrape that moved it is taken into account here.
+            kept = capacities.get(name)
+            if kept is None or kept[0] is not c.snapshot or kept[1] != bt:
+                self.capacity(c, bt)
+            tail = tails.get(name)
+            tail_age[name] = inf if tail is None else (now - tail if now > tail else 0.0)
             idx = c.kv_events
             if idx is not None and engine_keys is not None and now - idx.as_of <= self.params.max_staleness_s:
                 bs = idx.block_size
@@ -183,6 +200,7 @@ class KVIndex:
         state.put(CACHED_TOKENS, cached)
         state.put(TAIL_AGE, tail_age)
         state.put(UNCACHED_SHARE, share)
+        state.put(_RUNS, runs)
 
     def after_pick(self, request: RouteRequest, picked: ReplicaView, state: CycleState) -> None:
         blocks = request.prefix_blocks[: self.params.max_prefix_blocks]
@@ -197,20 +215,30 @@ class KVIndex:
         lru = self._lru.get(name)
         if lru is None:
             lru = self._lru[name] = ChainLRU()
-        lru.touch(blocks, state.now)
+        lru.touch(blocks, state.now, (state.get(_RUNS) or {}).get(name))
         holders = self._holders
         bit = holders.bit(name)
-        for i in _levels(len(blocks)):
-            holders.add(blocks[i], bit)
+        masks, mask = holders.masks, 1 << bit
+        for i in _LEVELS[: len(blocks).bit_length()]:  # (BlockHolders.add, inlined)
+            key = blocks[i]
+            masks[key] = masks.get(key, 0) | mask
         cap = self.capacity(picked, max(1, request.block_tokens))
         gone = lru.evict_to(cap)
         if gone:
             # Only the level blocks are in the inverted index: found among the evicted at C speed.
             for b in holders.masks.keys() & gone:
                 holders.discard(b, bit)
+        self._retail(name, lru, cap)
+
+    def _retail(self, name: str, lru: ChainLRU, cap: int) -> None:
+        """Keep ``name``'s tail entry (the last use of its least recently used block, while its
+        cache is full at ``cap``) in step with its LRU."""
         tail = lru.oldest() if len(lru) >= cap else None
-        old_tail = self._tail_of.pop(name, None)
+        old_tail = self._tail_of.get(name)
+        if tail == old_tail:
+            return
         if old_tail is not None:
+            del self._tail_of[name]
             self._tails.remove((old_tail, name))
         if tail is not None:
             self._tail_of[name] = tail
@@ -365,11 +393,9 @@ def _set_bits(held: int) -> list[int]:
     return positions
 
 
-def _levels(n: int) -> list[int]:
+_LEVELS = tuple((1 << j) - 1 for j in range(64))
+
+
+def _levels(n: int) -> tuple[int, ...]:
     """The positions of a prompt's blocks that the inverted index keeps: 0, 1, 3, 7, ... < ``n``."""
-    out: list[int] = []
-    i = 1
-    while i <= n:
-        out.append(i - 1)
-        i <<= 1
-    return out
+    return _LEVELS[: n.bit_length()]

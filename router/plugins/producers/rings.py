@@ -36,6 +36,7 @@ Config example::
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -122,11 +123,16 @@ class _Ring:
         if key is None or not n:
             return None
         ring = self._ring_for(candidates)
-        seen = {
-            name: (sent, when)
-            for name, sent, when in self._memory.get(key, ())
-            if state.now - when <= self.params.follow_ttl_s
-        }
+        places = self._memory.get(key)
+        seen = (
+            {
+                name: (sent, when)
+                for name, sent, when in places
+                if state.now - when <= self.params.follow_ttl_s
+            }
+            if places
+            else {}
+        )
         prefer = max(seen, key=lambda n: seen[n][1]) if seen else None  # the latest turn's replica
         tokens = request.prompt_tokens
         view = candidates.view
@@ -137,10 +143,11 @@ class _Ring:
             def cost(name: str) -> float:
                 v = view(name)
                 assert v is not None
-                return v.prefill_tokens + tokens - min(tokens, seen.get(name, (0, 0.0))[0])
+                return v.prefill_tokens + tokens - (min(tokens, seen[name][0]) if name in seen else 0)
 
             total = candidates.total_prefill() + n * tokens
-            total -= sum(min(tokens, sent) for name, (sent, _) in seen.items() if name in candidates)
+            if seen:
+                total -= sum(min(tokens, sent) for name, (sent, _) in seen.items() if name in candidates)
             bound = self.params.balance_factor * total / n
             target, home, walks = walk_to_fit(
                 ring, key, candidates.__contains__, lambda name: cost(name) <= bound, prefer
@@ -219,4 +226,10 @@ class SessionRing(_Ring):
         return cls(name, parse_params(Params, SESSION_TYPE, name, params))
 
     def _key(self, request: RouteRequest) -> int | None:
-        return stable_hash(request.session_key.encode()) if request.session_key else None
+        return _session_hash(request.session_key) if request.session_key else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _session_hash(session: str) -> int:
+    """A session's ring key (asked twice per decision: before and after the pick)."""
+    return stable_hash(session.encode())
