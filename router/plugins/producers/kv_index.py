@@ -219,7 +219,7 @@ class KVIndex:
         holders = self._holders
         bit = holders.bit(name)
         masks, mask = holders.masks, 1 << bit
-        for i in _LEVELS[: len(blocks).bit_length()]:  # (BlockHolders.add, inlined)
+        for i in _levels(len(blocks)):  # (BlockHolders.add, inlined)
             key = blocks[i]
             masks[key] = masks.get(key, 0) | mask
         cap = self.capacity(picked, max(1, request.block_tokens))
