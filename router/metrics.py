@@ -12,12 +12,15 @@ them from every decision (the gateway's metrics extend it: :class:`api.metrics.G
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.metrics_core import CounterMetricFamily
 
-from tidal.replicas.wire.prom import LabelledHistogram
+from tidal.replicas.wire.prom import LabelledHistogram, counter_family
 from tidal.router.types import RouteResult
 
 __all__ = ["Children", "RouterMetrics"]
@@ -51,28 +54,7 @@ class RouterMetrics:
 
     def __post_init__(self) -> None:
         r = self.prom
-        self.decisions = Counter(
-            "tidal_router_decisions", "Routing decisions", ["profile", "replica"], registry=r
-        )
-        self.prefix = Counter("tidal_router_prefix", "Prefix-ring placement results", ["result"], registry=r)
-        self.session = Counter(
-            "tidal_router_session", "Session-ring placement results", ["result"], registry=r
-        )
-        self.prefill_cost = Counter(
-            "tidal_router_prefill_cost",
-            "Prefill-cost placements: where the prompt is partly cached, or cold",
-            ["result"],
-            registry=r,
-        )
-        self.kv_index = Counter(
-            "tidal_router_kv_index",
-            "Decisions by where the candidates' cache state came from (exact KV events, estimate, mixed)",
-            ["source"],
-            registry=r,
-        )
-        self.ring_walks = Counter(
-            "tidal_router_ring_walks", "Replicas skipped on the ring (over the load bound)", registry=r
-        )
+        self._decided = _Decisions(r)
         self.adapter_loads = Counter(
             "tidal_router_adapter_loads", "LoRA adapters loaded", ["replica"], registry=r
         )
@@ -86,11 +68,6 @@ class RouterMetrics:
             _PLUGIN,
             r,
         )
-        self._decisions = Children(self.decisions)
-        self._prefix = Children(self.prefix)
-        self._session = Children(self.session)
-        self._prefill_cost = Children(self.prefill_cost)
-        self._kv_index = Children(self.kv_index)
 
     # -- RouterObserver ----------------------------------------------------------------------------
 
@@ -98,19 +75,72 @@ class RouterMetrics:
         self.plugin_seconds.labels(kind, type_, name).observe(seconds)
 
     def decided(self, profile: str, result: RouteResult | None) -> None:
+        d = self._decided
         if result is None:
-            self._decisions(profile, "none").inc()
+            key: tuple[str, ...] = (profile, "none")
+            d.decisions[key] = d.decisions.get(key, 0) + 1
             return
-        self._decisions(profile, result.replica.name).inc()
+        key = (profile, result.replica.name)
+        d.decisions[key] = d.decisions.get(key, 0) + 1
         notes = result.notes
-        if "prefix" in notes:
-            self._prefix(notes["prefix"]).inc()
-        if "session" in notes:
-            self._session(notes["session"]).inc()
-        if "prefill_cost" in notes:
-            self._prefill_cost(notes["prefill_cost"]).inc()
-        if "kv_index" in notes:
-            self._kv_index(notes["kv_index"]).inc()
+        outcome = (
+            notes.get("prefix"),
+            notes.get("session"),
+            notes.get("prefill_cost"),
+            notes.get("kv_index"),
+        )
+        d.outcomes[outcome] = d.outcomes.get(outcome, 0) + 1
         walks = notes.get("ring_walks")
         if walks:
-            self.ring_walks.inc(walks)
+            d.walks += walks
+
+
+class _Decisions:
+    """The decision counters, counted in plain dicts (a ``Counter`` child takes a lock on every
+    ``inc``: five per decision cost a thirtieth of one) and summed into their series when
+    collected. One entry per profile and replica, and one per combination of the notes' results
+    (a few dozen at most)."""
+
+    _OUTCOMES = (
+        ("tidal_router_prefix", "Prefix-ring placement results", "result"),
+        ("tidal_router_session", "Session-ring placement results", "result"),
+        (
+            "tidal_router_prefill_cost",
+            "Prefill-cost placements: where the prompt is partly cached, or cold",
+            "result",
+        ),
+        (
+            "tidal_router_kv_index",
+            "Decisions by where the candidates' cache state came from (exact KV events, estimate, mixed)",
+            "source",
+        ),
+    )
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions: dict[tuple[str, ...], int] = {}  # (profile, replica) -> decisions
+        self.outcomes: dict[tuple[Any, ...], int] = {}  # the notes' results -> decisions
+        self.walks = 0
+        self._created = time.time()
+        registry.register(self)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        created = self._created
+        yield counter_family(
+            "tidal_router_decisions",
+            "Routing decisions",
+            (({"profile": p, "replica": r}, n) for (p, r), n in list(self.decisions.items())),
+            created=created,
+        )
+        outcomes = list(self.outcomes.items())
+        for i, (name, doc, label) in enumerate(self._OUTCOMES):
+            sums: dict[str, int] = {}
+            for results, n in outcomes:
+                if results[i] is not None:
+                    sums[results[i]] = sums.get(results[i], 0) + n
+            yield counter_family(name, doc, (({label: v}, n) for v, n in sums.items()), created=created)
+        yield counter_family(
+            "tidal_router_ring_walks",
+            "Replicas skipped on the ring (over the load bound)",
+            [({}, self.walks)],
+            created=created,
+        )

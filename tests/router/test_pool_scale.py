@@ -273,7 +273,7 @@ def test_a_replica_that_leaves_is_forgotten_by_every_index() -> None:
     router.forget(gone)
     # Then no index keeps anything of it: the kv-index's blocks, bit, tail and sums,
     assert gone not in kv._lru and gone not in kv._tail_of and gone not in kv._sent
-    assert gone not in kv._capacity and all(name != gone for _, name in kv._tails)
+    assert gone not in kv._capacity and all(name != gone for _, name in kv._sorted_tails())
     assert gone not in kv._holders.bits and kv._holders.names[bit] is None
     assert all(not mask >> bit & 1 for mask in kv._holders.masks.values())
     for profile in ("llm_d", "sglang_cache_aware"):

@@ -111,8 +111,10 @@ class KVIndex:
         # The inverted index: level block -> bitmask of the replicas holding it.
         self._holders = BlockHolders()
         # Replicas whose cache is full, by the last use of their least recently used block.
-        self._tails = SortedList()
         self._tail_of: dict[str, float] = {}
+        self._tails = SortedList()  # (tail, name), as of _sorted_as; _moved: names since moved
+        self._sorted_as: dict[str, float] = {}
+        self._moved: set[str] = set()
         self._full_version = 0  # moves when a replica's cache fills or gets room again
         self._capacity: dict[str, tuple[Any, int, int]] = {}  # name -> (snapshot, block tokens, blocks)
 
@@ -239,12 +241,26 @@ class KVIndex:
             return
         if old_tail is not None:
             del self._tail_of[name]
-            self._tails.remove((old_tail, name))
         if tail is not None:
             self._tail_of[name] = tail
-            self._tails.add((tail, name))
+        self._moved.add(name)
         if (old_tail is None) != (tail is None):
             self._full_version += 1
+
+    def _sorted_tails(self) -> SortedList:
+        """The full caches by tail, brought up to date with the tails that moved since last
+        asked (only nominations read the order, at pool scale: a small pool never sorts)."""
+        tails, sorted_as, tail_of = self._tails, self._sorted_as, self._tail_of
+        for name in self._moved:
+            old = sorted_as.pop(name, None)
+            if old is not None:
+                tails.remove((old, name))
+            new = tail_of.get(name)
+            if new is not None:
+                tails.add((new, name))
+                sorted_as[name] = new
+        self._moved.clear()
+        return tails
 
     def forget(self, replica: str) -> None:
         """``replica`` left the pool: drop its blocks, its bit in the inverted index, its tail and
@@ -258,9 +274,8 @@ class KVIndex:
         holders.release(replica)
         self._sent.pop(replica, None)
         self._capacity.pop(replica, None)
-        tail = self._tail_of.pop(replica, None)
-        if tail is not None:
-            self._tails.remove((tail, replica))
+        if self._tail_of.pop(replica, None) is not None:
+            self._moved.add(replica)
             self._full_version += 1
 
     def nominate(self, request: RouteRequest, candidates: Candidates, state: CycleState) -> Iterable[str]:
@@ -277,7 +292,7 @@ class KVIndex:
             holders, keys = exact
             _deepest(keys, holders, len(out) + limit, candidates, out)
         tails = 0
-        for _, name in self._tails:  # the oldest tails among the candidates
+        for _, name in self._sorted_tails():  # the oldest tails among the candidates
             if tails >= limit:
                 break
             if name in candidates:
