@@ -38,7 +38,7 @@ from operator import eq
 
 import numpy as np
 
-__all__ = ["BlockLRU", "ChainLRU", "leading_run"]
+__all__ = ["BlockLRU", "ChainLRU", "leading_run", "run_between"]
 
 _COMPACT_MIN = 4096  # log entries before a compaction is considered
 
@@ -133,6 +133,35 @@ def leading_run(held: Container[int], blocks: Sequence[int], reverse: Sequence[i
     chain is a prefix of it (binary search at C speed over ``reverse``, the blocks last to first,
     given when the caller has it; none and all are answered first, in one probe)."""
     return _leading_where(held.__contains__, blocks, reverse)
+
+
+def run_between(
+    held: Callable[[int], bool], blocks: Sequence[int], reverse: Sequence[int], guesses: list[int]
+) -> int:
+    """:func:`leading_run` where ``held`` holds for ``blocks[0]`` and not for ``blocks[-1]``,
+    tried first at ``guesses``: runs found in other replicas' indexes for the same prompt
+    (replicas that share its head, a feature's system prompt, mostly hold the same run of it).
+    A right guess costs two probes, a wrong one narrows the binary search; the run found joins
+    the guesses (at most ``_GUESSES``). ``reverse``: the blocks last to first."""
+    n = len(blocks)
+    lo, hi = 1, n - 1  # the run is in [lo, hi]
+    for g in guesses:
+        if not lo <= g <= hi:
+            continue
+        if not held(blocks[g - 1]):
+            hi = g - 1
+        elif held(blocks[g]):
+            lo = g + 1
+        else:
+            return g
+    # Last to first over the positions lo..hi-1, the blocks go from not held to held.
+    run = n - bisect_left(reverse, True, n - hi, n - lo, key=held)
+    if len(guesses) < _GUESSES:
+        guesses.append(run)
+    return run
+
+
+_GUESSES = 3
 
 
 def _leads(held: Container[int], chain: Sequence[int], run: int) -> bool:

@@ -9,6 +9,7 @@ from hypothesis import given, strategies as hst
 
 from tidal.replicas.metrics import LoadSnapshot
 from tidal.router.loader import build_router
+from tidal.router.lru import run_between
 from tidal.router.plugins.producers.kv_index import (
     CACHED_TOKENS,
     TAIL_AGE,
@@ -49,6 +50,27 @@ def test_leading_run_finds_where_a_held_prefix_ends(n: int, data: hst.DataObject
     run = data.draw(hst.integers(0, n))
     held = dict.fromkeys(blocks[:run], 0.0) | dict.fromkeys(range(run), 0.0)  # and other chains' blocks
     assert leading_run(held, blocks) == run == leading_run(held, blocks, blocks[::-1])
+
+
+@given(hst.integers(2, 300), hst.data())
+def test_run_between_finds_the_run_whatever_it_is_guessed(n: int, data: hst.DataObject) -> None:
+    """The guesses other replicas' runs give only save probes: right, wrong or out of range,
+    the run found is the held prefix, and a run that had to be searched for joins them."""
+    blocks = tuple(range(1000, 1000 + n))
+    run = data.draw(hst.integers(1, n - 1))  # (0 and n are answered before run_between)
+    guesses = data.draw(hst.lists(hst.integers(-2, n + 2), max_size=3))
+    probes: list[int] = []
+
+    def held(key: int) -> bool:
+        probes.append(key)
+        return key < 1000 + run
+
+    before = list(guesses)
+    assert run_between(held, blocks, blocks[::-1], guesses) == run
+    if run in before:
+        assert len(probes) <= 2 * len(before)
+    elif len(before) < 3:
+        assert guesses == [*before, run]
 
 
 def test_index_counts_cached_tokens_and_forgets_a_chain_tail_first() -> None:

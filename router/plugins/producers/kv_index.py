@@ -56,7 +56,6 @@ Config example::
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any, ClassVar
@@ -67,7 +66,7 @@ from sortedcontainers import SortedList
 
 from tidal.router.framework import PluginKind
 from tidal.router.kv_events import BlockHolders
-from tidal.router.lru import ChainLRU, leading_run
+from tidal.router.lru import ChainLRU, leading_run, run_between
 from tidal.router.plugins.base import PluginParams, parse_params
 from tidal.router.pool import Candidates, PoolCandidates
 from tidal.router.types import CycleState, ReplicaView, RouteRequest, StateKey
@@ -160,6 +159,7 @@ class KVIndex:
         lrus, sent_sums, tails, inf = self._lru, self._sent, self._tail_of, math.inf
         capacities = self._capacity
         reverse = blocks[::-1]
+        guesses: list[int] = []  # runs found at earlier candidates (see run_between)
         first, last, n = (blocks[0], blocks[-1], len(blocks)) if blocks else (0, 0, 0)
         for c in candidates:
             name = c.name
@@ -169,7 +169,9 @@ class KVIndex:
             else:
                 # leading_run, inlined: the decision's hottest loop
                 held = lru.held.__contains__
-                run = 0 if not held(first) else n if held(last) else n - bisect_left(reverse, True, key=held)
+                run = (
+                    0 if not held(first) else n if held(last) else run_between(held, blocks, reverse, guesses)
+                )
                 runs[name] = run
                 cached[name] = min(tokens, run * bt)
             # The tail is kept for full caches as of the last insert (a cache changes only then),
