@@ -46,7 +46,14 @@ import httpx
 import openai
 import yaml
 
-from tidal.bench.soak import ChatResult, chat_counts, chat_request, rss_growth, rss_watch
+from tidal.bench.soak import (
+    CLIENT_KEEPALIVE_S,
+    ChatResult,
+    chat_counts,
+    chat_request,
+    rss_growth,
+    rss_watch,
+)
 from tidal.cli.platform import LocalPlatform, local_platform
 from tidal.replicas.launcher import free_port
 from tidal.replicas.wire.prom import Sample, parse_samples, sample_total
@@ -312,7 +319,7 @@ async def _bench(p: LocalPlatform, o: dict[str, float], log: Any) -> dict[str, A
     tally = _Tally()
     seconds = o["seconds"]
     client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key=p.key, max_retries=0, timeout=60.0)
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with (
         client,
         aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session,

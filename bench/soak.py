@@ -59,6 +59,11 @@ TOKENS = 32
 WAIT_BUDGET_S = 2.0
 TTFT_SLO_S = 1.0
 CLIENT_TIMEOUT_S = 30.0
+# Idle connections are dropped well before the gateway's keep-alive timeout (uvicorn's 5 s), as
+# the replica client does: a request sent on a connection the server is closing at that moment
+# fails with no response, which a client that keeps them 15 s (aiohttp's default) meets at low
+# request rates.
+CLIENT_KEEPALIVE_S = 2.0
 BIG_BODY = 64 * 1024 * 1024
 
 
@@ -375,7 +380,7 @@ async def _bench(
     setup: _Setup, seconds: float, slow_clients: int, big_bodies: int, log: Any
 ) -> dict[str, Any]:
     gw, unbounded = setup.gateway, setup.unbounded
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         # Capacity: closed loop at exactly the pool's cap, after a short warm-up.
