@@ -184,8 +184,7 @@ def _leading_where(
         return 0
     if ok(blocks[-1]):
         return hi
-    # Last to first, the blocks go from not ok to ok: the first ok is where the run ends.
-    return hi - bisect_left(blocks[::-1] if reverse is None else reverse, True, key=ok)
+    return run_between(ok, blocks, blocks[::-1] if reverse is None else reverse, [])
 
 
 class ChainLRU:

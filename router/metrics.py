@@ -76,12 +76,10 @@ class RouterMetrics:
 
     def decided(self, profile: str, result: RouteResult | None) -> None:
         d = self._decided
-        if result is None:
-            key: tuple[str, ...] = (profile, "none")
-            d.decisions[key] = d.decisions.get(key, 0) + 1
-            return
-        key = (profile, result.replica.name)
+        key = (profile, "none" if result is None else result.replica.name)
         d.decisions[key] = d.decisions.get(key, 0) + 1
+        if result is None:
+            return
         notes = result.notes
         outcome = (
             notes.get("prefix"),
@@ -99,7 +97,7 @@ class _Decisions:
     """The decision counters, counted in plain dicts (a ``Counter`` child takes a lock on every
     ``inc``: five per decision cost a thirtieth of one) and summed into their series when
     collected. One entry per profile and replica, and one per combination of the notes' results
-    (a few dozen at most)."""
+    (a few hundred at most)."""
 
     _OUTCOMES = (
         ("tidal_router_prefix", "Prefix-ring placement results", "result"),
