@@ -2,7 +2,7 @@
 # Real vLLM replicas use the upstream vllm/vllm-openai image (see docker-compose.yml, profile gpu).
 FROM python:3.11-slim
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
 COPY tidal ./tidal
 COPY api ./api
 COPY router ./router
@@ -13,7 +13,8 @@ COPY batch_jobs ./batch_jobs
 COPY replicas ./replicas
 COPY bench ./bench
 # tokenizer: gateways tokenise prompts with a model's tokenizer.json (fleet models[].tokenizer).
-RUN pip install --no-cache-dir ".[postgres,k8s,tokenizer]"
+# requirements.lock: the versions CI tested and scripts/audit checked.
+RUN pip install --no-cache-dir -c requirements.lock ".[postgres,k8s,tokenizer]"
 ENV TIDAL_DATA_DIR=/data
 VOLUME /data
 ENTRYPOINT ["tidal"]
