@@ -6,7 +6,9 @@
   page goes to ``prometheus_client``'s parser itself. Why: the reference parser scans label
   strings one character at a time and takes 13 ms for the simulator's page (685 lines; 22 ms
   for a two-engine page of 1080), on the gateway's event loop, once a second per replica; the
-  fast path takes 2.1 ms (3.7 ms) and is tested sample for sample against the reference.
+  fast path takes 2.1 ms (3.7 ms) and is tested sample for sample against the reference. A
+  scrape asks only for the series it reads (``names``): the other lines are not parsed, and the
+  simulator's page becomes a load snapshot in 0.8 ms instead of 1.35.
 * :class:`Histogram` -- cumulative buckets, PromQL's quantile, deltas between snapshots, and an
   ``observe`` without a lock for code that runs on one event-loop thread.
 * Exposition: :class:`LabelledHistogram` (a registered family of histograms by label values)
@@ -82,6 +84,7 @@ _LABEL = r'(?!__)[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*(?:\\.[^"\\]*)*"'
 # The canonical layout: single spaces, no trailing comma, no exemplar. Anything else is left to
 # the reference parser, so the fast path never has to decide what is malformed.
 _SAMPLE = re.compile(rf"({_NAME})(?:\{{({_LABEL}(?:,{_LABEL})*)?\}})? (\S+)(?: (\S+))?")
+_NAME_ONLY = re.compile(_NAME)
 _PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\]*(?:\\.[^"\\]*)*)"')
 _META = re.compile(rf"# (HELP|TYPE) ({_NAME})(?: (.*))?")
 _ESCAPE = re.compile(r'\\[\\n"]')  # the only escapes the format has; others stay as written
@@ -93,8 +96,9 @@ _TYPES = frozenset(
 )
 
 
-def parse_samples(text: str) -> Iterator[Sample]:
-    """Every sample of a Prometheus text-format page, in page order.
+def parse_samples(text: str, names: Collection[str] | None = None) -> Iterator[Sample]:
+    """Every sample of a Prometheus text-format page, in page order (with ``names``, only the
+    samples so named).
 
     Names are those of ``prometheus_client``'s parser: a family typed ``counter`` under a name
     without ``_total`` has its samples renamed with ``_total`` (OpenMetrics' convention), so a
@@ -103,11 +107,16 @@ def parse_samples(text: str) -> Iterator[Sample]:
 
     Raises :class:`PromParseError` (a ``ValueError``) for a malformed page, before yielding
     anything: a garbled page (a line cut in the middle) is refused whole, not read as a page
-    with fewer series.
+    with fewer series. With ``names``, the canonical path reads only the lines that can yield
+    those samples; of the others it checks only the name and that they end in a number, so damage confined
+    to series nobody asked for can go unnoticed (what is returned is read in full). A scrape
+    reads about a fifth of vLLM's page, and skipping the rest makes it 1.7 times cheaper.
     """
-    samples = _parse_canonical(text)
+    samples = _parse_canonical(text, names)
     if samples is None:
         samples = _parse_reference(text)
+    if names is not None:
+        samples = [s for s in samples if s.name in names]
     return iter(samples)
 
 
@@ -149,13 +158,18 @@ def _unescape(m: re.Match[str]) -> str:
     return _UNESCAPE[m.group(0)]
 
 
-def _parse_canonical(text: str) -> list[Sample] | None:
+def _parse_canonical(text: str, names: Collection[str] | None = None) -> list[Sample] | None:
     """The reference parser's result for a page in canonical layout; ``None`` for anything else.
 
     Mirrors ``text_fd_to_metric_families``: ``# HELP``/``# TYPE`` open a family that owns the
     sample names of its type; a sample it does not own stands alone (untyped); a counter family
     typed without ``_total`` gets ``_total`` on its samples when the family closes.
+
+    With ``names``, a sample line whose name cannot become one of them (as written, or with the
+    ``_total`` a counter family adds) is not parsed: it only moves the family state as a sample
+    would, once its last token reads as a number. The caller keeps the samples named ``names``.
     """
+    wanted = None if names is None else {*names, *(n[:-6] for n in names if n.endswith("_total"))}
     out: list[Sample] = []
     family = ""
     typ = "untyped"
@@ -193,6 +207,16 @@ def _parse_canonical(text: str) -> list[Sample] | None:
             typ = rest
             owned = tuple(name + suffix for suffix in _OWNED.get(typ, ("",)))
             continue
+        if wanted is not None:
+            end = line.find("{")
+            raw = line[: end if end >= 0 else line.find(" ")]
+            if raw not in wanted:
+                if _NAME_ONLY.fullmatch(raw) is None or _number(line.rpartition(" ")[2]) is None:
+                    return None  # (what the reference makes of it is left to the reference)
+                if raw not in owned:
+                    close()
+                    family, typ, owned = "", "untyped", ()
+                continue
         m = _SAMPLE.fullmatch(line)
         if m is None:
             return None

@@ -8,6 +8,7 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from tidal.replicas import metrics
 from tidal.replicas.metrics import parse_load_snapshot
 from tidal.replicas.sim.engine import SimEngine
 from tidal.replicas.wire.prom import PromParseError
@@ -186,3 +187,23 @@ def test_a_malformed_page_raises_what_the_scraper_catches() -> None:
     with pytest.raises(PromParseError) as e:
         parse_load_snapshot('vllm:num_requests_waiting{engine="0"} 3\nvllm:num_requests_wait')
     assert isinstance(e.value, ValueError)
+
+
+def test_the_snapshot_of_the_lines_it_reads_is_that_of_the_whole_page(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A scrape parses only the series the snapshot holds; reading the whole page gives the same.
+    e = SimEngine("llama-3.1-8b-h100", max_loras=2)
+    for j in range(3):
+        e.add_request(e.make_request(f"r{j}", prompt_token_ids=[j] * 300, max_tokens=6), now=0.0)
+    t = 0.0
+    while (out := e.begin_step(t)) is not None:
+        t += out.duration
+        e.end_step(out, t)
+    text = e.render_metrics()
+    read = parse_load_snapshot(text)
+    whole = metrics.parse_samples
+    monkeypatch.setattr(metrics, "parse_samples", lambda page, names=None: whole(page))
+    assert parse_load_snapshot(text) == read
+    assert read.ttft is not None and read.ttft.count == 3 and read.requests_finished == 3
+    assert read.model_names and read.num_gpu_blocks

@@ -242,6 +242,44 @@ def test_any_text_is_read_or_refused_with_a_parse_error(text: str) -> None:
     assert _ours(text) == _reference(text)  # _ours lets nothing but PromParseError through
 
 
+def _named(text: str, names: set[str]) -> list[tuple[str, tuple[tuple[str, str], ...], str]] | None:
+    try:
+        return [_key(*s[:3]) for s in parse_samples(text, names)]
+    except PromParseError:
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(_families(), st.data())
+def test_reading_some_names_reads_what_the_whole_page_gives_for_them(
+    families: list[Metric], data: st.DataObject
+) -> None:
+    # Garbled or not: wherever the reference reads the page, asking for some names gives its
+    # samples of those names, in order (counters renamed with _total included).
+    text = _render(*families) or "x 1\n"
+    for _ in range(data.draw(st.integers(0, 3))):
+        at = data.draw(st.integers(0, len(text)))
+        insert = data.draw(st.text(alphabet=_DANGER, max_size=3) | st.sampled_from(_TOKENS))
+        text = text[:at] + insert + text[at + data.draw(st.integers(0, 3)) :]
+    whole = _reference(text)
+    seen = sorted(
+        {k[0] for k in whole or ()} | {f.name for f in families} | {f.name + "_total" for f in families}
+    )
+    names = set(data.draw(st.lists(st.sampled_from(seen), max_size=4))) if seen else set()
+    if whole is not None:
+        assert _named(text, names) == [k for k in whole if k[0] in names]
+
+
+def test_a_damaged_line_of_a_series_asked_for_refuses_the_page() -> None:
+    page = '# TYPE a gauge\na 1\n# TYPE b gauge\nb{x="1"} 2\n'
+    cut = page.replace('b{x="1"} 2', 'b{x="1')
+    with pytest.raises(PromParseError):
+        list(parse_samples(cut, {"b"}))
+    assert [s.value for s in parse_samples(page, {"b"})] == [2.0]
+    with pytest.raises(PromParseError):
+        list(parse_samples(page.replace("a 1", "a"), {"b"}))  # a line without a value, skipped or not
+
+
 def test_the_canonical_path_reads_the_simulators_page() -> None:
     from tidal.replicas.sim.engine import SimEngine
 
