@@ -398,8 +398,9 @@ def run(
     **_: Any,
 ) -> list[dict[str, Any]]:
     """Rows: ``target``, ``concurrency``, ``mode``, ``ttft_p50_s``, ``ttft_p99_s``,
-    ``tokens_per_s``, plus the TTFT added over direct and the proxy's CPU use (medians over
-    rounds). ``concurrency`` is the saturated mode's levels, ``latency_concurrency`` the latency
+    ``tokens_per_s`` and the proxy's CPU use (medians over rounds), and the TTFT added over
+    direct (the median of the rounds' pairs, :func:`paired_added`; each round's in
+    ``added_ttft_p50_rounds_s``). ``concurrency`` is the saturated mode's levels, ``latency_concurrency`` the latency
     mode's; ``time_scale`` paces the latency mode's replica, ``think_ms`` bounds its think time;
     ``baseline_src`` is another checkout whose gateway runs as one more target; ``workers`` runs
     the tidal gateways with ``--workers`` (sharing load through ``redis_url``)."""
@@ -408,7 +409,8 @@ def run(
         if m not in MODES:
             raise click.UsageError(f"unknown mode '{m}' (known: {', '.join(MODES)})")
     secs = float(seconds) if seconds is not None else (6.0 if quick else 15.0)
-    n_rounds = int(rounds) if rounds is not None else (1 if quick else 3)
+    # A comparison with another checkout is about a few tenths of a millisecond: more rounds.
+    n_rounds = int(rounds) if rounds is not None else (1 if quick else 7 if baseline_src else 3)
     n_tokens = int(tokens)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tidal-bench-gw-") as tmp:
@@ -428,6 +430,7 @@ def run(
                 for level in levels:
                     rows += _level(targets, m, level, secs, n_rounds, n_tokens, think_s)
     _print(rows)
+    _versus_baseline(rows)
     return rows
 
 
@@ -489,11 +492,38 @@ def _level(
                 f"{target.name} (--workers {target.workers}) shared-state staleness: {row['shared_state_staleness']}"
             )
         rows.append(row)
-    direct = next(r for r in rows if r["target"] == "direct")
     for r in rows:
-        r["added_ttft_p50_s"] = r["ttft_p50_s"] - direct["ttft_p50_s"]
-        r["added_ttft_p99_s"] = r["ttft_p99_s"] - direct["ttft_p99_s"]
+        for q in ("p50", "p99"):
+            added = paired_added(samples[r["target"]], samples["direct"], f"ttft_{q}_s")
+            r[f"added_ttft_{q}_s"] = _median(added)
+            r[f"added_ttft_{q}_rounds_s"] = added
     return rows
+
+
+def paired_added(target: list[dict[str, Any]], direct: list[dict[str, Any]], key: str) -> list[float]:
+    """What ``target`` added to ``key`` over direct, round by round: each round's figure minus
+    direct's in the same round. The rounds are interleaved, so a drift of the machine's speed
+    moves both sides of a pair alike; the median of the pairs is steadier than the difference
+    of the two medians, which can pair one side's slow round with the other's fast one."""
+    return [t[key] - d[key] for t, d in zip(target, direct, strict=True)]
+
+
+def _versus_baseline(rows: list[dict[str, Any]]) -> None:
+    """With ``--baseline-src``: tidal's added TTFT p50 against the baseline's, per level, and
+    the two's difference round by round (both were measured in each round, beside direct)."""
+    for base in (r for r in rows if r["target"] == "tidal-baseline"):
+        level = (base["mode"], base["concurrency"])
+        ours = next(r for r in rows if r["target"] == "tidal" and (r["mode"], r["concurrency"]) == level)
+        a, b = ours["added_ttft_p50_s"], base["added_ttft_p50_s"]
+        pairs = zip(ours["added_ttft_p50_rounds_s"], base["added_ttft_p50_rounds_s"], strict=True)
+        diffs = [x - y for x, y in pairs]
+        ratio = f" ({a / b:.2f} x)" if b > 0 else ""
+        click.echo(
+            f"{level[0]}, {level[1]} streams: tidal adds {a * 1000:+.2f} ms to TTFT p50, "
+            f"tidal-baseline {b * 1000:+.2f} ms{ratio}; tidal minus tidal-baseline per round: "
+            + ", ".join(f"{d * 1000:+.2f}" for d in diffs)
+            + f" ms (median {_median(diffs) * 1000:+.2f})"
+        )
 
 
 def _median(values: list[Any]) -> Any:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.bench.gateway import run
+from tidal.bench.gateway import paired_added, run
 
 pytestmark = pytest.mark.slow
 
@@ -46,3 +46,11 @@ def test_tidal_with_workers_shares_through_redis_and_reports_staleness(tmp_path:
     tidal = next(r for r in rows if r["target"] == "tidal")
     assert tidal["workers"] == 2 and tidal["requests"] > 0 and tidal["proxy_cpu_s"] > 0
     assert tidal["shared_state_staleness"].count("worker") == 2
+
+
+def test_added_ttft_pairs_each_round_with_direct_in_the_same_round() -> None:
+    # The machine was slow in round 2 for both: the pairs give +1, +1, +0.5 ms (median +1), where
+    # the difference of the medians (2.5 - 2.0) would pair direct's round 3 with the target's.
+    direct = [{"ttft_p50_s": x} for x in (1.0, 3.0, 2.0)]
+    target = [{"ttft_p50_s": x} for x in (2.0, 4.0, 2.5)]
+    assert paired_added(target, direct, "ttft_p50_s") == pytest.approx([1.0, 1.0, 0.5])
