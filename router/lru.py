@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import math
+import sys
 from array import array
 from bisect import bisect_left
 from collections import deque
@@ -41,6 +42,7 @@ import numpy as np
 __all__ = ["BlockLRU", "ChainLRU", "leading_run", "run_between"]
 
 _COMPACT_MIN = 4096  # log entries before a compaction is considered
+_DICT_CHECK = 4096  # the fewest new keys between two rebuilds of ChainLRU's key dict
 
 
 class BlockLRU:
@@ -219,6 +221,8 @@ class ChainLRU:
         "_log",
         "_node",
         "_parent",
+        "_room",
+        "_table_bytes",
         "_rooted",
         "_start",
         "_t",
@@ -227,6 +231,8 @@ class ChainLRU:
 
     def __init__(self) -> None:
         self._node: dict[int, int] = {}  # key -> id of its segment
+        self._room = 0  # new keys before _node may be rebuilt again (see _rebuild_node)
+        self._table_bytes = sys.getsizeof(self._node)  # its size when last looked at
         self._keys = array("Q")  # every segment's keys, contiguous per segment, root side first,
         self._kept = 0  # in _keys[:_kept]; the rest is room (grown by doubling, see _grow)
         self._start = array("q")  # per segment id: its keys are _keys[_start:_end]
@@ -295,6 +301,8 @@ class ChainLRU:
             steps -= 1
         if len(log) > 2 * (len(self._entry) - len(self._free)) + _COMPACT_MIN:
             self._compact_log()
+        if self._room <= 0 and sys.getsizeof(self._node) > self._table_bytes:
+            self._rebuild_node()
 
     def evict_to(self, capacity: int) -> list[int]:
         """Drop the least recently used keys until at most ``capacity`` remain; returns them."""
@@ -354,6 +362,7 @@ class ChainLRU:
         # setdefault at C speed: a key already held elsewhere (never, for keys that chain)
         # ends the segment before it, so a key always belongs to one segment.
         found = list(map(node.setdefault, new, repeat(seg)))
+        self._room -= len(new)
         if found.count(seg) != len(new):
             j = next(i for i, s in enumerate(found) if s != seg)
             ours = set(new[:j])
@@ -406,6 +415,30 @@ class ChainLRU:
         end[seg] = cut
         self._node.update(zip(keys[cut:e].tolist(), repeat(new)))
         return seg
+
+    def _rebuild_node(self) -> None:
+        """CPython just grew the key dict: copy it into one sized for its live keys, when that
+        is smaller and leaves room.
+
+        An LRU at capacity inserts as many keys as it drops, and a dict never reuses the slots
+        of dropped keys: when they run out, CPython rebuilds it at the power of two at or above
+        three times its live keys. For a replica's 89,730 blocks that is 2^19 slots (10 MB); a
+        dict filled by copying is sized from 1.5 times its keys, 2^18 (5 MB), which leaves room
+        for 85,000 inserts. The copy halves the dict, the largest part of a full index (about
+        14.5 MB per replica become 9.5), for one more copy per that many inserts. It is not made
+        where it would leave room for fewer than half the live keys (CPython's table is kept),
+        and the next is not considered before half as many inserts as there are live keys, so
+        copies stay rare whatever the interpreter's sizes."""
+        node = self._node
+        n = len(node)
+        size = 1 << max(3, ((3 * n + 1) // 2 - 1).bit_length())  # (CPython's estimate for a copy)
+        if (2 * size) // 3 - n >= n // 2 and 24 * size < sys.getsizeof(node):
+            fresh: dict[int, int] = {}
+            fresh.update(node)  # (from a dict with dropped keys: sized from its live keys)
+            if sys.getsizeof(fresh) < sys.getsizeof(node):
+                self._node = fresh
+        self._table_bytes = sys.getsizeof(self._node)
+        self._room = max(n // 2, _DICT_CHECK)
 
     def _compact_log(self) -> None:
         """Keep only the live entries, in order (numpy, at C speed)."""

@@ -4,7 +4,8 @@ compacted."""
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+import sys
+from collections import OrderedDict, deque
 
 from hypothesis import given, settings, strategies as st
 
@@ -78,6 +79,7 @@ def test_chain_lru_is_a_block_lru_touched_last_to_first(ops: list[tuple[str, int
     """On keys that chain, ChainLRU evicts exactly what BlockLRU evicts when each chain is touched
     from its last key to its first, and answers the leading and recent runs the same."""
     lru_module._COMPACT_MIN = 4  # compact the log and the key array often (restored below)
+    lru_module._DICT_CHECK = 4  # and consider rebuilding the key dict often
     try:
         lru, ref = ChainLRU(), BlockLRU()
         chains: list[list[int]] = []
@@ -106,6 +108,7 @@ def test_chain_lru_is_a_block_lru_touched_last_to_first(ops: list[tuple[str, int
                     assert lru.recent(chain, since) == expected
     finally:
         lru_module._COMPACT_MIN = 4096
+        lru_module._DICT_CHECK = 4096
 
 
 @settings(max_examples=300, deadline=None)
@@ -135,3 +138,21 @@ def test_chain_lru_stays_bounded_on_keys_that_do_not_chain(ops: list[tuple[str, 
             assert (lru.oldest() is None) == (len(lru) == 0)
     finally:
         lru_module._COMPACT_MIN = 4096
+
+
+def test_a_full_chain_lru_keeps_its_key_dict_at_the_size_a_copy_gives() -> None:
+    """At a replica's full KV size (89,730 blocks), churned, the key dict takes the table a copy
+    of it would (2^18 slots on CPython), not the twice larger one CPython's own growth picks for
+    more than 87,381 keys; a plain dict churned alike is the yardstick."""
+    capacity, prompt = 89_730, 64
+    lru, plain, fifo = ChainLRU(), dict[int, int](), deque[int]()
+    for i in range(5 * capacity // prompt):
+        chain = [((i * prompt + j) * 0x9E3779B97F4A7C15) % 2**64 for j in range(prompt)]
+        lru.touch(chain, float(i))
+        lru.evict_to(capacity)
+        plain.update(dict.fromkeys(chain, 0))
+        fifo.extend(chain)
+        while len(plain) > capacity:
+            del plain[fifo.popleft()]
+    assert len(lru) == len(plain) == capacity
+    assert sys.getsizeof(lru.held) < 0.6 * sys.getsizeof(plain)
