@@ -8,6 +8,7 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from tests.replicas.sim.test_engine import run_to_end
 from tidal.replicas import metrics
 from tidal.replicas.metrics import parse_load_snapshot
 from tidal.replicas.sim.engine import SimEngine
@@ -196,10 +197,7 @@ def test_the_snapshot_of_the_lines_it_reads_is_that_of_the_whole_page(
     e = SimEngine("llama-3.1-8b-h100", max_loras=2)
     for j in range(3):
         e.add_request(e.make_request(f"r{j}", prompt_token_ids=[j] * 300, max_tokens=6), now=0.0)
-    t = 0.0
-    while (out := e.begin_step(t)) is not None:
-        t += out.duration
-        e.end_step(out, t)
+    run_to_end(e)
     text = e.render_metrics()
     read = parse_load_snapshot(text)
     whole = metrics.parse_samples

@@ -46,9 +46,11 @@ def _reference(text: str) -> list[tuple[str, tuple[tuple[str, str], ...], str]] 
         return None
 
 
-def _ours(text: str) -> list[tuple[str, tuple[tuple[str, str], ...], str]] | None:
+def _ours(
+    text: str, names: set[str] | None = None
+) -> list[tuple[str, tuple[tuple[str, str], ...], str]] | None:
     try:
-        return [_key(*s[:3]) for s in parse_samples(text)]
+        return [_key(*s[:3]) for s in parse_samples(text, names)]
     except PromParseError:
         return None
 
@@ -219,17 +221,22 @@ _TOKENS = [
 ]
 
 
+def _garbled(text: str, data: st.DataObject, least: int) -> str:
+    """``text`` with ``least`` to ``least + 3`` cuts and insertions of dangerous characters."""
+    for _ in range(data.draw(st.integers(least, least + 3))):
+        at = data.draw(st.integers(0, len(text)))
+        cut = data.draw(st.integers(0, 3))
+        insert = data.draw(st.text(alphabet=_DANGER, max_size=3) | st.sampled_from(_TOKENS))
+        text = text[:at] + insert + text[at + cut :]
+    return text
+
+
 @settings(max_examples=400, deadline=None)
 @given(_families(), st.data())
 def test_a_garbled_page_reads_as_prometheus_client_reads_it(
     families: list[Metric], data: st.DataObject
 ) -> None:
-    text = _render(*families) or "x 1\n"
-    for _ in range(data.draw(st.integers(1, 4))):
-        at = data.draw(st.integers(0, len(text)))
-        cut = data.draw(st.integers(0, 3))
-        insert = data.draw(st.text(alphabet=_DANGER, max_size=3) | st.sampled_from(_TOKENS))
-        text = text[:at] + insert + text[at + cut :]
+    text = _garbled(_render(*families) or "x 1\n", data, 1)
     fast = _parse_canonical(text)
     if fast is not None:  # the fast path only answers what the reference answers the same way
         assert [_key(*s) for s in fast] == _reference(text)
@@ -242,13 +249,6 @@ def test_any_text_is_read_or_refused_with_a_parse_error(text: str) -> None:
     assert _ours(text) == _reference(text)  # _ours lets nothing but PromParseError through
 
 
-def _named(text: str, names: set[str]) -> list[tuple[str, tuple[tuple[str, str], ...], str]] | None:
-    try:
-        return [_key(*s[:3]) for s in parse_samples(text, names)]
-    except PromParseError:
-        return None
-
-
 @settings(max_examples=300, deadline=None)
 @given(_families(), st.data())
 def test_reading_some_names_reads_what_the_whole_page_gives_for_them(
@@ -256,18 +256,14 @@ def test_reading_some_names_reads_what_the_whole_page_gives_for_them(
 ) -> None:
     # Garbled or not: wherever the reference reads the page, asking for some names gives its
     # samples of those names, in order (counters renamed with _total included).
-    text = _render(*families) or "x 1\n"
-    for _ in range(data.draw(st.integers(0, 3))):
-        at = data.draw(st.integers(0, len(text)))
-        insert = data.draw(st.text(alphabet=_DANGER, max_size=3) | st.sampled_from(_TOKENS))
-        text = text[:at] + insert + text[at + data.draw(st.integers(0, 3)) :]
+    text = _garbled(_render(*families) or "x 1\n", data, 0)
     whole = _reference(text)
     seen = sorted(
         {k[0] for k in whole or ()} | {f.name for f in families} | {f.name + "_total" for f in families}
     )
     names = set(data.draw(st.lists(st.sampled_from(seen), max_size=4))) if seen else set()
     if whole is not None:
-        assert _named(text, names) == [k for k in whole if k[0] in names]
+        assert _ours(text, names) == [k for k in whole if k[0] in names]
 
 
 def test_a_damaged_line_of_a_series_asked_for_refuses_the_page() -> None:
