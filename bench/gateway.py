@@ -400,10 +400,11 @@ def run(
     """Rows: ``target``, ``concurrency``, ``mode``, ``ttft_p50_s``, ``ttft_p99_s``,
     ``tokens_per_s`` and the proxy's CPU use (medians over rounds), and the TTFT added over
     direct (the median of the rounds' pairs, :func:`paired_added`; each round's in
-    ``added_ttft_p50_rounds_s``). ``concurrency`` is the saturated mode's levels, ``latency_concurrency`` the latency
-    mode's; ``time_scale`` paces the latency mode's replica, ``think_ms`` bounds its think time;
-    ``baseline_src`` is another checkout whose gateway runs as one more target; ``workers`` runs
-    the tidal gateways with ``--workers`` (sharing load through ``redis_url``)."""
+    ``added_ttft_p50_rounds_s``). ``concurrency`` is the saturated mode's levels,
+    ``latency_concurrency`` the latency mode's; ``time_scale`` paces the latency mode's replica,
+    ``think_ms`` bounds its think time; ``baseline_src`` is another checkout whose gateway runs
+    as one more target; ``workers`` runs the tidal gateways with ``--workers`` (sharing load
+    through ``redis_url``)."""
     modes = [m.strip() for m in str(mode).split(",") if m.strip()]
     for m in modes:
         if m not in MODES:

@@ -84,13 +84,15 @@ _HISTOGRAMS: dict[str, tuple[str, ...]] = {  # summed bucket by bucket
 }
 
 _HISTOGRAM_NAMES = frozenset(n for names in _HISTOGRAMS.values() for n in names)
-_INFO = ("vllm:lora_requests_info", "vllm:cache_config_info")
+_LORA_INFO = "vllm:lora_requests_info"
+_CACHE_INFO = "vllm:cache_config_info"
 # The samples a snapshot reads (a scrape parses only these lines: about a fifth of the page).
 _READ = frozenset(
     {
         *(n + t for names in (*_MEAN.values(), *_SUM.values()) for n in names for t in ("", "_total")),
         *(n + s for n in _HISTOGRAM_NAMES for s in ("_bucket", "_sum", "_count")),
-        *_INFO,
+        _LORA_INFO,
+        _CACHE_INFO,
     }
 )
 
@@ -115,12 +117,12 @@ def parse_load_snapshot(text: str) -> LoadSnapshot:
         name, labels = s.name, s.labels
         if "model_name" in labels:
             models.add(labels["model_name"])
-        if name == "vllm:lora_requests_info":
+        if name == _LORA_INFO:
             # One series per adapter set ever seen; its value is when it was last current.
             if lora_latest is None or s.value >= lora_latest.value:
                 lora_latest = s
             continue
-        if name == "vllm:cache_config_info":
+        if name == _CACHE_INFO:
             bs, nb = labels.get("block_size"), labels.get("num_gpu_blocks")
             if bs and bs.isdigit():
                 block_size = int(bs)

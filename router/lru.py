@@ -432,7 +432,7 @@ class ChainLRU:
         node = self._node
         n = len(node)
         size = 1 << max(3, ((3 * n + 1) // 2 - 1).bit_length())  # (CPython's estimate for a copy)
-        if (2 * size) // 3 - n >= n // 2 and 24 * size < sys.getsizeof(node):
+        if (2 * size) // 3 - n >= n // 2:
             fresh: dict[int, int] = {}
             fresh.update(node)  # (from a dict with dropped keys: sized from its live keys)
             if sys.getsizeof(fresh) < sys.getsizeof(node):

@@ -108,9 +108,10 @@ def parse_samples(text: str, names: Collection[str] | None = None) -> Iterator[S
     Raises :class:`PromParseError` (a ``ValueError``) for a malformed page, before yielding
     anything: a garbled page (a line cut in the middle) is refused whole, not read as a page
     with fewer series. With ``names``, the canonical path reads only the lines that can yield
-    those samples; of the others it checks only the name and that they end in a number, so damage confined
-    to series nobody asked for can go unnoticed (what is returned is read in full). A scrape
-    reads about a fifth of vLLM's page, and skipping the rest makes it 1.7 times cheaper.
+    those samples; of the others it checks only the name and that they end in a number, so
+    damage confined to series nobody asked for can go unnoticed (what is returned is read in
+    full). A scrape reads about a fifth of vLLM's page, and skipping the rest makes it 1.7
+    times cheaper.
     """
     samples = _parse_canonical(text, names)
     if samples is None:
