@@ -217,9 +217,11 @@ def _fill(
 
     The replicas' fills are spread (a live pool's replicas do not all hold the same history): a
     replica gets up to an eighth less than ``target`` below ``capacity``; at ``capacity``, up to
-    an eighth more, which it evicts, so every index is full. Filled alike, every replica of a large
-    pool reached the same growth point of its dicts and arrays together, and the first decisions
-    after the fill all paid it (a tenth of the decisions at 2,048 replicas)."""
+    an eighth more, which it evicts, so every index is full. Each round gives every replica the
+    same share of its own fill, so wherever the RSS bound stops it the replicas stay as spread.
+    Filled alike, every replica of a large pool reached the same growth point of its dicts and
+    arrays together, and the first decisions after the fill all paid it (a tenth of the
+    decisions at 2,048 replicas); a fill stopped after equal rounds did the same."""
     if not producers or target <= 0:
         return 0, 0, False
     views = registry.views(POOL)
@@ -235,7 +237,7 @@ def _fill(
 
     for r in range(rounds):
         for j, view in enumerate(views):
-            k = min(FILL_CALL_BLOCKS, wants[j] - got[j])
+            k = min(FILL_CALL_BLOCKS, -(-wants[j] * (r + 1) // rounds) - got[j])
             if k <= 0:
                 continue
             if j % 64 == 0 and rss() >= max_rss:

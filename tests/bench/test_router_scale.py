@@ -4,12 +4,18 @@ the contract's columns and finite, positive timings; a fill stopped by the memor
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import pytest
 
-from tidal.bench.router_scale import _in_child, run
+from tidal.bench.router_scale import _fill, _in_child, run
+from tidal.bench.routing import bench_fleet
+from tidal.clock import ManualClock
+from tidal.router.loader import build_router
+from tidal.router.plugins.producers.kv_index import KVIndex
 from tidal.router.profiles import BUILTIN_PROFILES
+from tidal.router.registry import ReplicaRegistry
 
 CONTRACT = {"profile", "replicas", "decision_p50_us", "decision_p99_us", "gc_pause_max_ms"}
 
@@ -42,6 +48,27 @@ def test_the_memory_guard_stops_the_fill_and_the_rows_say_how_far_it_got(tmp_pat
     tidal = rows[0]
     assert tidal["blocks_per_replica"] == 0 < tidal["blocks_target"]
     assert tidal["decision_p50_us"] > 0
+
+
+def test_a_fill_the_memory_guard_stops_leaves_the_replicas_as_spread_as_a_whole_one() -> None:
+    # Stopped after equal rounds, every replica held the same count, and all of them reached
+    # their dicts' next growth point together during the timed decisions.
+    def filled(stop_after: int | None) -> list[int]:
+        clock = ManualClock()
+        fleet = bench_fleet(64)
+        registry = ReplicaRegistry.from_fleet(fleet, clock)
+        producers = build_router(fleet.router, clock=clock, seed=1).producers(["tidal"])
+        checks = iter(range(10**9))
+        rss = lambda: 1 if stop_after is not None and next(checks) >= stop_after else 0  # noqa: E731
+        _, _, stopped = _fill(producers, registry, clock, 4_000, 10**6, 1, rss, random.Random(3))
+        assert stopped == (stop_after is not None)
+        index = next(p for p in producers if isinstance(p, KVIndex))
+        return sorted(len(lru) for lru in index._lru.values())
+
+    whole, part = filled(None), filled(8)  # (the guard is read every 64th replica: 8 rounds)
+    assert 3_500 <= whole[0] < whole[-1] <= 4_000 and whole[-1] - whole[0] > 300
+    assert 0.4 * whole[-1] < part[-1] < 0.8 * whole[-1]
+    assert part[-1] - part[0] > 0.05 * part[-1]
 
 
 def test_a_run_that_fails_in_its_child_process_fails_the_benchmark() -> None:
