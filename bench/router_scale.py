@@ -79,7 +79,7 @@ from tidal.router.framework import Producer, Router
 from tidal.router.loader import build_router
 from tidal.router.metrics import RouterMetrics
 from tidal.router.plugins.producers.kv_index import KVIndex
-from tidal.router.prefix import chat_prefix_key, render_messages, text_blocks
+from tidal.router.prefix import BLOCK_HASH_BITS, chat_prefix_key, render_messages, text_blocks
 from tidal.router.profiles import BUILTIN_PROFILES
 from tidal.router.registry import ReplicaRegistry, ReplicaState
 from tidal.router.types import CycleState, RouteRequest
@@ -245,7 +245,7 @@ def _fill(
             request = RouteRequest(
                 model=model,
                 prefix_key=rng.getrandbits(64),
-                prefix_blocks=tuple(rng.getrandbits(64) for _ in range(k)),
+                prefix_blocks=tuple(rng.getrandbits(BLOCK_HASH_BITS) for _ in range(k)),
                 session_key=f"fill-{r}-{j}" if j % 2 else None,
                 prompt_tokens=k * BLOCK_TOKENS,
             )

@@ -16,7 +16,7 @@ a stretch of the log at a time with ``map`` and ``compress``, at C speed. When
 stale entries outnumber live ones the log is rebuilt from the dict: a copy, not a sort, so it
 costs about a millisecond at a replica's full KV size.
 
-Keys are unsigned 64-bit integers (the chained block hashes of :mod:`router.prefix`).
+Keys are unsigned 64-bit integers (the chained block hashes of :mod:`router.prefix` have 60).
 
 Example::
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tidal.router.prefix import (
+    BLOCK_HASH_BITS,
     chat_prefix_key,
     chat_view,
     completion_prefix_key,
@@ -40,6 +41,15 @@ def test_blocks_chain_so_shared_prefixes_share_leading_hashes() -> None:
     assert text_blocks("short") == ()
     assert len(text_blocks("y" * 64 * 1000)) == 256  # bounded
     assert "system\nYou are" in render_messages([SYSTEM])
+
+
+def test_block_hashes_fit_sixty_bits_and_use_them() -> None:
+    # An index holds a replica's whole KV cache in these: CPython stores an int below 2**60 in
+    # 32 bytes, a 64-bit one in 48.
+    hashes = text_blocks("".join(f"{i:064d}" for i in range(256)))
+    assert len(set(hashes)) == 256
+    assert all(0 <= h < 1 << BLOCK_HASH_BITS for h in hashes) and BLOCK_HASH_BITS <= 60
+    assert max(hashes).bit_length() > BLOCK_HASH_BITS - 4  # the bits are used, not masked away
 
 
 def test_completion_keys() -> None:
