@@ -43,6 +43,7 @@ __all__ = ["BlockLRU", "ChainLRU", "leading_run", "run_between"]
 
 _COMPACT_MIN = 4096  # log entries before a compaction is considered
 _DICT_CHECK = 4096  # the fewest new keys between two rebuilds of ChainLRU's key dict
+_KEY_SLACK = 4  # ChainLRU's key array: dead keys, and room, up to 1/_KEY_SLACK of the live ones
 
 
 class BlockLRU:
@@ -206,8 +207,10 @@ class ChainLRU:
     segments are rows of ``array`` columns (their keys contiguous in one key array, root side
     first; a parent found through its last key, so a split re-points no child). A log of
     segment ids orders them by last use: an entry is live when it is its segment's latest
-    (``_entry`` holds its position). The log and the key array are compacted with numpy when
-    their dead space outgrows the live part.
+    (``_entry`` holds its position). The log is compacted with numpy when its dead entries
+    outnumber the live ones, the key array when its dead keys pass a quarter of the live ones
+    (at a replica's full KV size the array is the third largest part of the index, after the
+    key dict and the keys' int objects).
     """
 
     __slots__ = (
@@ -332,7 +335,7 @@ class ChainLRU:
             else:
                 end[seg] = e - k
         self._head = h
-        if self._kept > 2 * len(node) + _COMPACT_MIN:
+        if self._kept > len(node) + len(node) // _KEY_SLACK + _COMPACT_MIN:
             self._compact_keys()
         return gone
 
@@ -374,11 +377,11 @@ class ChainLRU:
                 self._free.append(seg)
                 self._entry[seg] = -1
                 return
-        # Into the room at the end of the key array, doubled when short: ``array.extend`` grows
-        # by a sixteenth, and each growth copied the whole array (~1 ms at 40,000 keys).
+        # Into the room at the end of the key array, grown by a quarter when short: ``array.extend``
+        # grows by a sixteenth, and each growth copied the whole array (~1 ms at 40,000 keys).
         keys, used = self._keys, self._kept
         if used + len(new) > len(keys):
-            keys.frombytes(bytes(8 * max(len(keys), len(new), 1024)))
+            keys.frombytes(bytes(8 * max(len(keys) // _KEY_SLACK, len(new), 1024)))
         keys[used : used + len(new)] = array("Q", new)
         self._start[seg] = used
         self._end[seg] = self._kept = used + len(new)
@@ -467,4 +470,4 @@ class ChainLRU:
         self._keys = array("Q", keys.tobytes())
         self._kept = len(keys)
         # room to grow into until the next compaction is due (dead space past the live keys)
-        self._keys.frombytes(bytes(8 * (len(keys) + 2 * _COMPACT_MIN)))
+        self._keys.frombytes(bytes(8 * (len(keys) // _KEY_SLACK + _COMPACT_MIN)))

@@ -156,3 +156,17 @@ def test_a_full_chain_lru_keeps_its_key_dict_at_the_size_a_copy_gives() -> None:
             del plain[fifo.popleft()]
     assert len(lru) == len(plain) == capacity
     assert sys.getsizeof(lru.held) < 0.6 * sys.getsizeof(plain)
+
+
+def test_a_full_chain_lru_keeps_its_key_array_within_a_quarter_of_its_keys() -> None:
+    """Churned at a replica's full KV size, the key array (live keys, dead ones and room) stays
+    within about a quarter over the live keys: it is a large part of a full index."""
+    capacity, prompt = 89_730, 64
+    lru = ChainLRU()
+    worst = 0
+    for i in range(3 * capacity // prompt):
+        lru.touch([((i * prompt + j) * 0x9E3779B97F4A7C15) % 2**60 for j in range(prompt)], float(i))
+        lru.evict_to(capacity)
+        worst = max(worst, len(lru._keys))
+    assert len(lru) == capacity
+    assert capacity < worst <= 1.4 * capacity
