@@ -63,8 +63,12 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _worker(build: Callable[[], ASGIApp], host: str, port: int, index: int) -> None:
+def _worker(
+    build: Callable[[], ASGIApp], host: str, port: int, index: int, head_limits: tuple[int, float]
+) -> None:
     import uvicorn
+
+    from tidal.api.protocol import head_limited_protocol
 
     # Die with the supervisor even when it is killed outright (Linux).
     with contextlib.suppress(OSError, AttributeError):
@@ -72,10 +76,11 @@ def _worker(build: Callable[[], ASGIApp], host: str, port: int, index: int) -> N
     sock = reuseport_socket(host, port)
     app = build()
     gc.freeze()  # as the one-process gateway does: long-lived objects out of the collector's walk
+    max_head_bytes, head_timeout_s = head_limits
     config = uvicorn.Config(
         app,
         loop="uvloop",
-        http="httptools",
+        http=head_limited_protocol(max_head_bytes=max_head_bytes, head_timeout_s=head_timeout_s),
         log_level="warning",
         log_config=uvicorn_log_config(),
         access_log=False,
@@ -84,9 +89,18 @@ def _worker(build: Callable[[], ASGIApp], host: str, port: int, index: int) -> N
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def serve_workers(build: Callable[[], ASGIApp], *, host: str, port: int, workers: int) -> int:
+def serve_workers(
+    build: Callable[[], ASGIApp],
+    *,
+    host: str,
+    port: int,
+    workers: int,
+    max_head_bytes: int = 64 * 1024,
+    head_timeout_s: float = 10.0,
+) -> int:
     """Run ``workers`` processes serving ``build()`` on ``host:port`` until SIGTERM/SIGINT;
-    returns the exit status (0 after a requested stop, 1 when a worker kept failing)."""
+    returns the exit status (0 after a requested stop, 1 when a worker kept failing). Each
+    bounds a request's head as :mod:`api.protocol` says."""
     # Fail here, clearly, when the port is taken by something that does not share it.
     reuseport_socket(host, port).close()
     ctx = multiprocessing.get_context("spawn")
@@ -96,7 +110,12 @@ def serve_workers(build: Callable[[], ASGIApp], *, host: str, port: int, workers
     stopping = False
 
     def start(i: int) -> BaseProcess:
-        p = ctx.Process(target=_worker, args=(build, host, port, i), name=f"tidal-gateway-{i}", daemon=False)
+        p = ctx.Process(
+            target=_worker,
+            args=(build, host, port, i, (max_head_bytes, head_timeout_s)),
+            name=f"tidal-gateway-{i}",
+            daemon=False,
+        )
         p.start()
         return p
 

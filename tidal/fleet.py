@@ -608,6 +608,10 @@ class GatewaySpec(_Strict):
     # With fair share, how far over its caps a pool may go for tenants below their share.
     fair_borrow_slots: int = Field(default=2, ge=0, le=10_000)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0, le=1024 * 1024 * 1024)
+    # A request's head (request line and headers): at most this many bytes (431 beyond), complete
+    # within this many seconds of the connection opening or of its first byte (408 after).
+    max_head_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    head_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     scrape_interval_s: float = Field(default=1.0, gt=0, le=60)
     retry_before_first_token: bool = True
     # The replicas' HTTP client: the gateway's lean HTTP/1.1 pool, or aiohttp (measured side by

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -347,6 +348,7 @@ def test_workers_share_load_through_redis_and_are_refused_without_it(
     # Counts are checked for a while here, not their expiry: a worker the machine leaves
     # unscheduled for a couple of seconds must not look gone.
     fleet["gateway"]["shared_state_ttl_s"] = 10.0
+    fleet["gateway"]["head_timeout_s"] = 2.0
     proc = _workers_gateway(tmp, fleet, _env(SHARED_REDIS, f"tidal-test-{secrets.token_hex(4)}"), 2)
     proc.start()
     try:
@@ -374,6 +376,13 @@ def test_workers_share_load_through_redis_and_are_refused_without_it(
         # An admin change reaches both workers, whichever one answered it.
         assert gw.admin("PATCH", "/admin/replicas/replica-0", json={"weight": 3}).status_code == 200
         assert _wait(lambda: all(_replicas(gw)["replica-0"]["weight"] == 3 for _ in range(6)), 5) is not None
+        # Every worker bounds a request's head: a head left unfinished is answered 408.
+        slow = [socket.create_connection(("127.0.0.1", proc.port), timeout=10) for _ in range(6)]
+        for s in slow:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: gw\r\n")
+        for s in slow:
+            with s:
+                assert s.recv(64).startswith(b"HTTP/1.1 408 ")
     finally:
         t0 = time.monotonic()
         proc.stop(timeout=45)  # the supervisor waits up to 30 s for its workers' graceful stop

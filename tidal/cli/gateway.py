@@ -64,6 +64,7 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
     import uvicorn
 
     from tidal.api import create_app
+    from tidal.api.protocol import head_limited_protocol
     from tidal.router.loader import RouterConfigError
     from tidal.settings import get_settings
 
@@ -92,7 +93,17 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
 
         del app  # each worker builds its own
         build = functools.partial(_build_app, str(path))
-        sys.exit(serve_workers(build, host=host, port=port, workers=workers))
+        limits = fleet.gateway
+        sys.exit(
+            serve_workers(
+                build,
+                host=host,
+                port=port,
+                workers=workers,
+                max_head_bytes=limits.max_head_bytes,
+                head_timeout_s=limits.head_timeout_s,
+            )
+        )
     # The modules, models and app built so far live as long as the process: out of the cyclic
     # collector's sight, a full collection no longer walks them (a pause of tens to hundreds of
     # milliseconds for every stream in flight; the requests' own garbage is collected as before).
@@ -102,7 +113,9 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
         host=host,
         port=port,
         loop="uvloop",
-        http="httptools",
+        http=head_limited_protocol(
+            max_head_bytes=fleet.gateway.max_head_bytes, head_timeout_s=fleet.gateway.head_timeout_s
+        ),
         log_level="warning",
         log_config=uvicorn_log_config(),
         access_log=False,
