@@ -16,7 +16,10 @@ restarts a worker that exits on its own, and gives up when one keeps failing at 
 
 Example::
 
-    serve_workers(functools.partial(build_app, "fleet.yaml"), host="0.0.0.0", port=8000, workers=4)
+    serve_workers(
+        functools.partial(build_app, "fleet.yaml"),
+        host="0.0.0.0", port=8000, workers=4, max_head_bytes=65536, head_timeout_s=10.0,
+    )
 """
 
 from __future__ import annotations
@@ -95,8 +98,8 @@ def serve_workers(
     host: str,
     port: int,
     workers: int,
-    max_head_bytes: int = 64 * 1024,
-    head_timeout_s: float = 10.0,
+    max_head_bytes: int,
+    head_timeout_s: float,
 ) -> int:
     """Run ``workers`` processes serving ``build()`` on ``host:port`` until SIGTERM/SIGINT;
     returns the exit status (0 after a requested stop, 1 when a worker kept failing). Each
