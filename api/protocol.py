@@ -25,13 +25,12 @@ Example::
 from __future__ import annotations
 
 import asyncio
+from http import HTTPStatus
 from typing import Any, ClassVar
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 __all__ = ["HeadLimitedProtocol", "head_limited_protocol"]
-
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
 class _HeadTooLarge(Exception):
@@ -52,7 +51,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # of the head being read
         self._head_started = False  # whether a byte of the current head has come
         self._head_timer: asyncio.TimerHandle | None = None
-        self._refusal: int | None = None  # the status to answer instead of uvicorn's 400
+        self._too_large = False  # the parse stopped at the bound: 431, not uvicorn's 400
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -85,16 +84,15 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a parse error; a head over the bound stopped the parse with one,
         and gets its own status instead."""
-        status, self._refusal = self._refusal, None
-        if status is None:
-            super().send_400_response(msg)
+        if self._too_large:
+            self._refuse(431)
         else:
-            self._refuse(status)
+            super().send_400_response(msg)
 
     def _count(self, n: int) -> None:
         self._head_bytes += n
         if self._head_bytes > self.max_head_bytes:
-            self._refusal = 431
+            self._too_large = True
             raise _HeadTooLarge
 
     def _arm(self) -> None:
@@ -120,8 +118,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int) -> None:
         """Answer ``status`` with ``Connection: close`` and close (what is left unread is not)."""
-        body = _REASONS[status] + b"\n"
-        head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])]
+        body = HTTPStatus(status).phrase.encode() + b"\n"
+        head = [STATUS_LINE[status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
         head.append(b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n" % len(body))
         head.append(b"connection: close\r\n\r\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 
 from hypothesis import given, settings, strategies as st
 
@@ -144,29 +145,35 @@ def test_a_full_chain_lru_keeps_its_key_dict_at_the_size_a_copy_gives() -> None:
     """At a replica's full KV size (89,730 blocks), churned, the key dict takes the table a copy
     of it would (2^18 slots on CPython), not the twice larger one CPython's own growth picks for
     more than 87,381 keys; a plain dict churned alike is the yardstick."""
-    capacity, prompt = 89_730, 64
     lru, plain, fifo = ChainLRU(), dict[int, int](), deque[int]()
-    for i in range(5 * capacity // prompt):
-        chain = [((i * prompt + j) * 0x9E3779B97F4A7C15) % 2**64 for j in range(prompt)]
+    for i, chain in enumerate(_churn(5)):
         lru.touch(chain, float(i))
-        lru.evict_to(capacity)
+        lru.evict_to(_CAPACITY)
         plain.update(dict.fromkeys(chain, 0))
         fifo.extend(chain)
-        while len(plain) > capacity:
+        while len(plain) > _CAPACITY:
             del plain[fifo.popleft()]
-    assert len(lru) == len(plain) == capacity
+    assert len(lru) == len(plain) == _CAPACITY
     assert sys.getsizeof(lru.held) < 0.6 * sys.getsizeof(plain)
 
 
 def test_a_full_chain_lru_keeps_its_key_array_within_a_quarter_of_its_keys() -> None:
     """Churned at a replica's full KV size, the key array (live keys, dead ones and room) stays
     within about a quarter over the live keys: it is a large part of a full index."""
-    capacity, prompt = 89_730, 64
     lru = ChainLRU()
     worst = 0
-    for i in range(3 * capacity // prompt):
-        lru.touch([((i * prompt + j) * 0x9E3779B97F4A7C15) % 2**60 for j in range(prompt)], float(i))
-        lru.evict_to(capacity)
+    for i, chain in enumerate(_churn(3)):
+        lru.touch(chain, float(i))
+        lru.evict_to(_CAPACITY)
         worst = max(worst, len(lru._keys))
-    assert len(lru) == capacity
-    assert capacity < worst <= 1.4 * capacity
+    assert len(lru) == _CAPACITY
+    assert _CAPACITY < worst <= 1.4 * _CAPACITY
+
+
+_CAPACITY = 89_730  # a replica's full KV size in blocks
+
+
+def _churn(times: int, prompt: int = 64) -> Iterator[list[int]]:
+    """Chains of ``prompt`` new keys each (block hashes' 60 bits), ``times`` x a full index."""
+    for i in range(times * _CAPACITY // prompt):
+        yield [((i * prompt + j) * 0x9E3779B97F4A7C15) % 2**60 for j in range(prompt)]

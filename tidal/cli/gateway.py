@@ -93,15 +93,14 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
 
         del app  # each worker builds its own
         build = functools.partial(_build_app, str(path))
-        limits = fleet.gateway
         sys.exit(
             serve_workers(
                 build,
                 host=host,
                 port=port,
                 workers=workers,
-                max_head_bytes=limits.max_head_bytes,
-                head_timeout_s=limits.head_timeout_s,
+                max_head_bytes=fleet.gateway.max_head_bytes,
+                head_timeout_s=fleet.gateway.head_timeout_s,
             )
         )
     # The modules, models and app built so far live as long as the process: out of the cyclic
