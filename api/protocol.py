@@ -1,50 +1,70 @@
-"""The gateway's HTTP/1.1 server protocol: uvicorn's httptools protocol, with a deadline and a
-size bound on every request's head.
+"""The gateway's HTTP/1.1 server protocol: uvicorn's httptools protocol, with deadlines on every
+request's head and body and a size bound on its head.
 
-uvicorn's httptools protocol (the gateway's, for speed) bounds neither: a connection that opens
-and sends nothing stays open, and one that sends a header line every few seconds (slowloris), or
-headers without end, holds its connection and the memory of what it sent for good (1,000 such
+uvicorn's httptools protocol (the gateway's, for speed) bounds none of them: a connection that
+opens and sends nothing stays open, one that sends a header line every few seconds (slowloris),
+or headers without end, holds its connection and the memory of what it sent for good (1,000 such
 clients are part of ``tidal bench soak``; one client sent 160 MB of headers and the server kept
-them all). Here, as nginx's ``client_header_timeout`` and ``large_client_header_buffers`` do:
+them all), and so does one that sends its body a byte at a time (the request's task waits on it
+for good). Here, as nginx's ``client_header_timeout`` and ``large_client_header_buffers`` and
+Apache's ``mod_reqtimeout`` (``body=20,MinRate=500``) do:
 
-* **a deadline**: a request's head (request line and headers) must be complete within
+* **a head deadline**: a request's head (request line and headers) must be complete within
   ``head_timeout_s`` of the connection opening, or of the request's first byte on a kept-alive
   connection; else the gateway answers 408 (when part of a head came) and closes. Between
   requests uvicorn's own keep-alive timeout applies. While a response is still being written
   (a pipelined head waiting behind it) the deadline waits for it;
-* **a size bound**: the URL and the header names and values of one head may hold at most
-  ``max_head_bytes``; more is answered 431 and the connection closed, before the rest is read.
+* **a head size bound**: the URL and the header names and values of one head may hold at most
+  ``max_head_bytes``; more is answered 431 and the connection closed, before the rest is read;
+* **a body deadline**: a request's body must be complete within ``body_timeout_s`` of its head,
+  plus one second for every ``body_min_bytes_per_s`` bytes that came (a large upload at a steady
+  pace is served however long it takes; a trickle is not); else 408 when no response has
+  started (the application's wait for the body ends as for a client that went away), and the
+  connection closed. Time the server itself stops reading does not count: while the
+  application has not taken what came (uvicorn pauses reading past 64 KiB unread), a pipelined
+  request waits behind another, or a ``100-continue`` has not been sent, the deadline restarts.
 
-The body is the application's to bound (:class:`~api.limits.BodyLimit`).
+The body's size is the application's to bound (:class:`~api.limits.BodyLimit`).
 
 Example::
 
-    uvicorn.run(app, http=head_limited_protocol(max_head_bytes=65536, head_timeout_s=10.0))
+    bounds = RequestBounds(max_head_bytes=65536, head_timeout_s=10.0, body_timeout_s=20.0,
+                           body_min_bytes_per_s=500)
+    uvicorn.run(app, http=bounded_protocol(bounds))
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-__all__ = ["HeadLimitedProtocol", "head_limited_protocol"]
+__all__ = ["BoundedProtocol", "RequestBounds", "bounded_protocol"]
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """The bounds of :class:`BoundedProtocol` (the fleet file's ``gateway`` section)."""
+
+    max_head_bytes: int = 64 * 1024
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 20.0
+    body_min_bytes_per_s: int = 500
 
 
 class _HeadTooLarge(Exception):
     """Raised from a parser callback: stops the parse (uvicorn then answers, see
-    :meth:`HeadLimitedProtocol.send_400_response`)."""
+    :meth:`BoundedProtocol.send_400_response`)."""
 
 
-class HeadLimitedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with :attr:`max_head_bytes` and :attr:`head_timeout_s`
-    (class attributes: uvicorn builds one instance per connection; see
-    :func:`head_limited_protocol`)."""
+class BoundedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the deadlines and the bound of :attr:`bounds` (a class
+    attribute: uvicorn builds one instance per connection; see :func:`bounded_protocol`)."""
 
-    max_head_bytes: ClassVar[int] = 64 * 1024
-    head_timeout_s: ClassVar[float] = 10.0
+    bounds: ClassVar[RequestBounds] = RequestBounds()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -52,6 +72,9 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._head_started = False  # whether a byte of the current head has come
         self._head_timer: asyncio.TimerHandle | None = None
         self._too_large = False  # the parse stopped at the bound: 431, not uvicorn's 400
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_due = 0.0  # loop time the body is due by, before what came extends it
+        self._body_bytes = 0  # of the body being read
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -59,6 +82,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_body()
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
@@ -80,6 +104,19 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._disarm()
         self._head_started = False
         super().on_headers_complete()
+        if not (self.parser.should_upgrade() and self._should_upgrade()):
+            # (a request without a body completes in the same parse: the timer goes at once)
+            self._body_bytes = 0
+            self._body_due = self.loop.time() + self.bounds.body_timeout_s
+            self._body_timer = self.loop.call_later(self.bounds.body_timeout_s, self._body_timeout)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._disarm_body()
+        super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a parse error; a head over the bound stopped the parse with one,
@@ -91,18 +128,23 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def _count(self, n: int) -> None:
         self._head_bytes += n
-        if self._head_bytes > self.max_head_bytes:
+        if self._head_bytes > self.bounds.max_head_bytes:
             self._too_large = True
             raise _HeadTooLarge
 
     def _arm(self) -> None:
         self._disarm()
-        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timeout)
+        self._head_timer = self.loop.call_later(self.bounds.head_timeout_s, self._head_timeout)
 
     def _disarm(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+    def _disarm_body(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
 
     def _head_timeout(self) -> None:
         self._head_timer = None
@@ -116,6 +158,24 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         else:
             self.transport.close()  # nothing came: nothing to answer
 
+    def _body_timeout(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing() or cycle is None:
+            return
+        now, b = self.loop.time(), self.bounds
+        if self.flow.read_paused or cycle.waiting_for_100_continue:
+            # The server is not reading (the application has not taken what came, or has not
+            # asked for the body yet; a pipelined request waits): the client is not late.
+            self._body_due = now + b.body_timeout_s - self._body_bytes / b.body_min_bytes_per_s
+        due = self._body_due + self._body_bytes / b.body_min_bytes_per_s
+        if now < due:
+            self._body_timer = self.loop.call_later(due - now, self._body_timeout)
+        elif not cycle.response_started:
+            self._refuse(408)
+        else:
+            self.transport.close()
+
     def _refuse(self, status: int) -> None:
         """Answer ``status`` with ``Connection: close`` and close (what is left unread is not)."""
         body = HTTPStatus(status).phrase.encode() + b"\n"
@@ -127,10 +187,6 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def head_limited_protocol(*, max_head_bytes: int, head_timeout_s: float) -> type[HeadLimitedProtocol]:
-    """A :class:`HeadLimitedProtocol` with these bounds, for ``uvicorn.Config(http=...)``."""
-    return type(
-        "HeadLimitedProtocol",
-        (HeadLimitedProtocol,),
-        {"max_head_bytes": max_head_bytes, "head_timeout_s": head_timeout_s, "__module__": __name__},
-    )
+def bounded_protocol(bounds: RequestBounds) -> type[BoundedProtocol]:
+    """A :class:`BoundedProtocol` with these bounds, for ``uvicorn.Config(http=...)``."""
+    return type("BoundedProtocol", (BoundedProtocol,), {"bounds": bounds, "__module__": __name__})

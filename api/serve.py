@@ -18,7 +18,7 @@ Example::
 
     serve_workers(
         functools.partial(build_app, "fleet.yaml"),
-        host="0.0.0.0", port=8000, workers=4, max_head_bytes=65536, head_timeout_s=10.0,
+        host="0.0.0.0", port=8000, workers=4, bounds=RequestBounds(),
     )
 """
 
@@ -41,6 +41,7 @@ from types import FrameType
 
 from starlette.types import ASGIApp
 
+from tidal.api.protocol import RequestBounds, bounded_protocol
 from tidal.logs import uvicorn_log_config
 
 __all__ = ["reuseport_socket", "serve_workers"]
@@ -66,12 +67,8 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _worker(
-    build: Callable[[], ASGIApp], host: str, port: int, index: int, head_limits: tuple[int, float]
-) -> None:
+def _worker(build: Callable[[], ASGIApp], host: str, port: int, index: int, bounds: RequestBounds) -> None:
     import uvicorn
-
-    from tidal.api.protocol import head_limited_protocol
 
     # Die with the supervisor even when it is killed outright (Linux).
     with contextlib.suppress(OSError, AttributeError):
@@ -79,11 +76,10 @@ def _worker(
     sock = reuseport_socket(host, port)
     app = build()
     gc.freeze()  # as the one-process gateway does: long-lived objects out of the collector's walk
-    max_head_bytes, head_timeout_s = head_limits
     config = uvicorn.Config(
         app,
         loop="uvloop",
-        http=head_limited_protocol(max_head_bytes=max_head_bytes, head_timeout_s=head_timeout_s),
+        http=bounded_protocol(bounds),
         log_level="warning",
         log_config=uvicorn_log_config(),
         access_log=False,
@@ -98,12 +94,11 @@ def serve_workers(
     host: str,
     port: int,
     workers: int,
-    max_head_bytes: int,
-    head_timeout_s: float,
+    bounds: RequestBounds,
 ) -> int:
     """Run ``workers`` processes serving ``build()`` on ``host:port`` until SIGTERM/SIGINT;
     returns the exit status (0 after a requested stop, 1 when a worker kept failing). Each
-    bounds a request's head as :mod:`api.protocol` says."""
+    bounds a request's head and body as :mod:`api.protocol` says."""
     # Fail here, clearly, when the port is taken by something that does not share it.
     reuseport_socket(host, port).close()
     ctx = multiprocessing.get_context("spawn")
@@ -115,7 +110,7 @@ def serve_workers(
     def start(i: int) -> BaseProcess:
         p = ctx.Process(
             target=_worker,
-            args=(build, host, port, i, (max_head_bytes, head_timeout_s)),
+            args=(build, host, port, i, bounds),
             name=f"tidal-gateway-{i}",
             daemon=False,
         )

@@ -600,7 +600,7 @@ class GateSpec(_Strict):
 
 
 class GatewaySpec(_Strict):
-    """Gateway limits: the bounded queue and request sizes."""
+    """Gateway limits: the bounded queue, request sizes and deadlines."""
 
     max_queue: int = Field(default=256, ge=0, le=1_000_000)
     # Within a class: "fair" across tenants by weight, or "fifo" (one arrival order).
@@ -612,6 +612,10 @@ class GatewaySpec(_Strict):
     # within this many seconds of the connection opening or of its first byte (408 after).
     max_head_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
     head_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    # A request's body: complete within body_timeout_s of its head, plus a second for every
+    # body_min_bytes_per_s bytes that came (408 after; api/protocol.py).
+    body_timeout_s: float = Field(default=20.0, gt=0, le=3600)
+    body_min_bytes_per_s: int = Field(default=500, ge=1, le=1 << 30)
     scrape_interval_s: float = Field(default=1.0, gt=0, le=60)
     retry_before_first_token: bool = True
     # The replicas' HTTP client: the gateway's lean HTTP/1.1 pool, or aiohttp (measured side by

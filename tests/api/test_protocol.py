@@ -1,48 +1,72 @@
-"""The gateway's server protocol bounds a request's head: its size (431) and how long it may take
-to arrive (408; an idle new connection is closed), over real sockets against uvicorn -- and
-nothing else: kept-alive connections, long streamed responses and pipelined requests are served
-as before. The last test runs ``tidal gateway`` itself with a fleet file's bounds."""
+"""The gateway's server protocol bounds a request's head -- its size (431) and how long it may take
+to arrive (408; an idle new connection is closed) -- and how long its body may take (408), over
+real sockets against uvicorn; and nothing else: kept-alive connections, long streamed responses,
+pipelined requests, a steady upload longer than the body deadline and bodies the application
+takes its time to read are served as before. The last test runs ``tidal gateway`` itself with a
+fleet file's bounds."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
 import yaml
 
 from tests.api.harness import fleet_dict
-from tidal.api.protocol import head_limited_protocol
+from tidal.api.protocol import RequestBounds, bounded_protocol
 from tidal.replicas.launcher import ReplicaProcess, free_port
 
 TIMEOUT_S = 0.6
 MAX_HEAD = 4096
+BODY_TIMEOUT_S = 0.6
+BODY_RATE = 100  # bytes a second that extend the body deadline by a second
+LATE_S = 1.5  # how long ``/late`` waits before reading its body
 
 
-async def _app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
-    """``/stream?n``: n pieces 0.1 s apart; anything else: ``ok``."""
+async def _app(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[type-arg]
+    """``/stream?n``: n pieces 0.1 s apart; ``/late``: reads its body after ``LATE_S``;
+    anything else: ``ok`` (a request's body is read first; its length leads the answer)."""
     if scope["type"] != "http":
         return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})  # type: ignore[operator]
+    if scope["path"] == "/late":
+        await asyncio.sleep(LATE_S)
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        size, more = size + len(message.get("body", b"")), message.get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
     if scope["path"] == "/stream":
         for _ in range(int(scope["query_string"] or 1)):
-            await send({"type": "http.response.body", "body": b"x", "more_body": True})  # type: ignore[operator]
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
             await asyncio.sleep(0.1)
-    await send({"type": "http.response.body", "body": b"ok"})  # type: ignore[operator]
+    await send(
+        {"type": "http.response.body", "body": f"{size} ".encode() if size else b"", "more_body": True}
+    )
+    await send({"type": "http.response.body", "body": b"ok"})
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
+@contextlib.contextmanager
+def _serve(bounds: RequestBounds) -> Iterator[int]:
     port = free_port()
-    protocol = head_limited_protocol(max_head_bytes=MAX_HEAD, head_timeout_s=TIMEOUT_S)
     config = uvicorn.Config(
-        _app, host="127.0.0.1", port=port, loop="asyncio", http=protocol, log_level="warning", lifespan="off"
+        _app,
+        host="127.0.0.1",
+        port=port,
+        loop="asyncio",
+        http=bounded_protocol(bounds),
+        log_level="warning",
+        lifespan="off",
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -51,9 +75,17 @@ def port() -> Iterator[int]:
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.started
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    with _serve(RequestBounds(MAX_HEAD, TIMEOUT_S, BODY_TIMEOUT_S, BODY_RATE)) as port:
+        yield port
 
 
 def _connect(port: int) -> socket.socket:
@@ -88,6 +120,20 @@ def _response(s: socket.socket) -> bytes:
 
 def _get(path: str = "/", extra: bytes = b"") -> bytes:
     return b"GET " + path.encode() + b" HTTP/1.1\r\nHost: gw\r\n" + extra + b"\r\n"
+
+
+def _post_head(path: str, length: int, extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: gw\r\nContent-Length: %d\r\n%s\r\n" % (path.encode(), length, extra)
+
+
+def _trickle(s: socket.socket, total: int, piece: int, every_s: float) -> None:
+    """``total`` body bytes, ``piece`` at a time ``every_s`` apart (until the server closes)."""
+    for _ in range(0, total, piece):
+        try:
+            s.sendall(b"b" * piece)
+        except OSError:
+            return
+        time.sleep(every_s)
 
 
 def test_a_head_over_the_bound_is_answered_431_and_closed(port: int) -> None:
@@ -153,9 +199,51 @@ def test_kept_alive_connections_long_streams_and_pipelined_requests_are_served(p
         assert _response(s).startswith(b"HTTP/1.1 200 ")
 
 
+def test_a_body_that_trickles_is_answered_408_and_closed(port: int) -> None:
+    with _connect(port) as s:
+        s.sendall(_post_head("/", 1000))
+        t0 = time.monotonic()
+        _trickle(s, 1000, 1, 0.1)  # 10 bytes a second: the deadline, 0.6 s + 0.01 s a byte, passes at ~0.67 s
+        reply = _read_all(s)
+        took = time.monotonic() - t0
+    assert reply.startswith(b"HTTP/1.1 408 ") and b"connection: close" in reply.lower(), reply
+    assert BODY_TIMEOUT_S - 0.1 <= took < BODY_TIMEOUT_S + 2.0
+
+
+def test_a_steady_upload_longer_than_the_deadline_is_served(port: int) -> None:
+    with _connect(port) as s:
+        s.sendall(_post_head("/", 300))
+        t0 = time.monotonic()
+        _trickle(s, 300, 30, 0.1)  # 300 bytes a second, 3 x the rate: its deadline keeps ahead
+        assert time.monotonic() - t0 > BODY_TIMEOUT_S
+        reply = _response(s)
+    assert reply.startswith(b"HTTP/1.1 200 ") and b"300 " in reply, reply
+
+
+def test_time_the_server_is_not_reading_does_not_count() -> None:
+    # Waiting to send 100 Continue until the application asks for the body (uvicorn), and
+    # pausing reading past 64 KiB unread: neither is the client's delay.
+    with _serve(RequestBounds(MAX_HEAD, TIMEOUT_S, BODY_TIMEOUT_S, 1 << 30)) as port:
+        with _connect(port) as s:
+            s.sendall(_post_head("/late", 5, b"Expect: 100-continue\r\n"))
+            assert s.recv(65536).startswith(b"HTTP/1.1 100 ")  # after LATE_S
+            s.sendall(b"hello")
+            assert _response(s).startswith(b"HTTP/1.1 200 ")
+        with _connect(port) as s:
+            size = 4 << 20  # past what the kernel's buffers and uvicorn's 64 KiB take unread
+            s.sendall(_post_head("/late", size))
+            sender = threading.Thread(target=s.sendall, args=(b"b" * size,), daemon=True)
+            sender.start()
+            reply = _response(s)
+            sender.join(5)
+        assert reply.startswith(b"HTTP/1.1 200 ") and f"{size} ".encode() in reply, reply
+
+
 def test_the_gateway_serves_with_the_fleet_files_bounds(tmp_path: Path) -> None:
     fleet = fleet_dict(["http://127.0.0.1:9"])
-    fleet["gateway"].update(max_head_bytes=2048, head_timeout_s=1.0)
+    fleet["gateway"].update(
+        max_head_bytes=2048, head_timeout_s=1.0, body_timeout_s=1.0, body_min_bytes_per_s=100
+    )
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(fleet))
     gw_port = free_port()
@@ -178,6 +266,12 @@ def test_the_gateway_serves_with_the_fleet_files_bounds(tmp_path: Path) -> None:
         with _connect(gw_port) as s:
             t0 = time.monotonic()
             s.sendall(b"GET /healthz HTTP/1.1\r\nHost: gw\r\n")
+            assert _read_all(s).startswith(b"HTTP/1.1 408 ")
+            assert 0.9 <= time.monotonic() - t0 < 4.0
+        with _connect(gw_port) as s:
+            s.sendall(_post_head("/v1/chat/completions", 1000, b"Content-Type: application/json\r\n"))
+            t0 = time.monotonic()
+            _trickle(s, 1000, 1, 0.1)
             assert _read_all(s).startswith(b"HTTP/1.1 408 ")
             assert 0.9 <= time.monotonic() - t0 < 4.0
     finally:

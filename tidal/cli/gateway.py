@@ -64,7 +64,7 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
     import uvicorn
 
     from tidal.api import create_app
-    from tidal.api.protocol import head_limited_protocol
+    from tidal.api.protocol import RequestBounds, bounded_protocol
     from tidal.router.loader import RouterConfigError
     from tidal.settings import get_settings
 
@@ -88,6 +88,8 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
     logging.getLogger("tidal.gateway").info(
         "gateway on http://%s:%d (fleet %s, %d process(es)%s)", host, port, path, workers, shared
     )
+    g = fleet.gateway
+    bounds = RequestBounds(g.max_head_bytes, g.head_timeout_s, g.body_timeout_s, g.body_min_bytes_per_s)
     if workers > 1:
         from tidal.api.serve import serve_workers
 
@@ -99,8 +101,7 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
                 host=host,
                 port=port,
                 workers=workers,
-                max_head_bytes=fleet.gateway.max_head_bytes,
-                head_timeout_s=fleet.gateway.head_timeout_s,
+                bounds=bounds,
             )
         )
     # The modules, models and app built so far live as long as the process: out of the cyclic
@@ -112,9 +113,7 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
         host=host,
         port=port,
         loop="uvloop",
-        http=head_limited_protocol(
-            max_head_bytes=fleet.gateway.max_head_bytes, head_timeout_s=fleet.gateway.head_timeout_s
-        ),
+        http=bounded_protocol(bounds),
         log_level="warning",
         log_config=uvicorn_log_config(),
         access_log=False,
