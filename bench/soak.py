@@ -14,9 +14,12 @@ two minutes each:
 3. **10 x capacity with admission off**: a second gateway on the same replicas whose wait budget
    is an hour and whose queue is unbounded, to show what the mechanism bounds (a client gives up
    after 30 s: ``timed_out``).
-4. **Abuse**: 1,000 slow clients (slowloris: a request's headers sent a line every few seconds)
-   and clients posting 64 MiB bodies, while normal clients send 0.5 x capacity: the normal
-   requests must all be answered, with TTFT p95 near the baseline's.
+4. **Abuse**: 1,000 slow clients (slowloris: half send a request's headers a line every 3 s,
+   half a whole head then its body a byte every 3 s) and clients posting 64 MiB bodies, while
+   normal clients send 0.5 x capacity: the normal requests must all be answered, with TTFT p95
+   near the baseline's; the slow clients the gateway cut (408 or closed) before the end are
+   counted (``gateway.head_timeout_s``, ``gateway.body_timeout_s``: a phase longer than them
+   should cut every one).
 
 Options: ``--seconds S`` (the overload's length: 600; ``--quick``: 15), ``--replicas N`` (2), ``--slow-clients
 N`` (1000), ``--big-bodies N`` (4 concurrent 64 MiB posters).
@@ -65,9 +68,11 @@ CLIENT_TIMEOUT_S = 30.0
 # request rates.
 CLIENT_KEEPALIVE_S = 2.0
 BIG_BODY = 64 * 1024 * 1024
+SLOW_EVERY_S = 3.0  # a slow client's pace: one more header line, or body byte
+ABUSE_S = 120.0  # the longest of the phases other than the overload
 
 
-def _fleet(urls: list[str], *, admission: bool) -> dict[str, Any]:
+def _fleet(urls: list[str], *, admission: bool, deadline_s: tuple[float, float]) -> dict[str, Any]:
     return {
         "models": [{"name": MODEL, "max_model_len": 32768}],
         "pools": {
@@ -90,7 +95,11 @@ def _fleet(urls: list[str], *, admission: bool) -> dict[str, Any]:
         },
         "features": {"default": {"class": "interactive", "context_cap": 32768}},
         "tenants": [{"name": "bench", "key_hashes": [hash_api_key(KEY)], "features": ["default"]}],
-        "gateway": {"max_queue": 4096 if admission else 1_000_000},
+        "gateway": {
+            "max_queue": 4096 if admission else 1_000_000,
+            "head_timeout_s": deadline_s[0],
+            "body_timeout_s": deadline_s[1],
+        },
     }
 
 
@@ -102,6 +111,7 @@ class _Setup:
     sims: list[ReplicaProcess]
     gateway: ReplicaProcess
     unbounded: ReplicaProcess
+    deadline_s: tuple[float, float]  # the gateways' head and body deadlines
 
 
 def _gateway(tmp: Path, name: str, fleet: dict[str, Any], pypath: str) -> ReplicaProcess:
@@ -119,7 +129,7 @@ def _gateway(tmp: Path, name: str, fleet: dict[str, Any], pypath: str) -> Replic
 
 
 @contextlib.contextmanager
-def _processes(tmp: Path, replicas: int) -> Iterator[_Setup]:
+def _processes(tmp: Path, replicas: int, deadline_s: tuple[float, float]) -> Iterator[_Setup]:
     pypath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     with contextlib.ExitStack() as stack:
         sims = [
@@ -138,14 +148,16 @@ def _processes(tmp: Path, replicas: int) -> Iterator[_Setup]:
         for s in sims:
             s.wait_ready(120)
         urls = [s.url for s in sims]
-        gw = _gateway(tmp, "gateway", _fleet(urls, admission=True), pypath)
-        unbounded = _gateway(tmp, "gateway-unbounded", _fleet(urls, admission=False), pypath)
+        gw = _gateway(tmp, "gateway", _fleet(urls, admission=True, deadline_s=deadline_s), pypath)
+        unbounded = _gateway(
+            tmp, "gateway-unbounded", _fleet(urls, admission=False, deadline_s=deadline_s), pypath
+        )
         for g in (gw, unbounded):
             g.start()
             stack.callback(g.stop)
         for g in (gw, unbounded):
             g.wait_ready(60)
-        yield _Setup(sims, gw, unbounded)
+        yield _Setup(sims, gw, unbounded, deadline_s)
 
 
 def rss_of(pid: int) -> int:
@@ -268,34 +280,52 @@ async def rss_watch(
 
 
 async def _slowloris(host: str, port: int, n: int, stop: asyncio.Event) -> dict[str, int]:
-    """``n`` connections each sending a request's headers a line every few seconds, never ending
-    them; how many the gateway closed before the end."""
-    writers: list[asyncio.StreamWriter] = []
-    opened = 0
-    for _ in range(n):
-        with contextlib.suppress(OSError):
-            _, w = await asyncio.open_connection(host, port)
+    """``n`` slow connections, every other one of each kind: a request's headers sent a line
+    every ``SLOW_EVERY_S`` and never ended, or a whole head then its body a byte every
+    ``SLOW_EVERY_S``; how many of each the gateway answered (408) or closed before the end."""
+
+    async def client(i: int) -> tuple[str, bool | None]:
+        kind = "head" if i % 2 == 0 else "body"
+        try:
+            reader, w = await asyncio.open_connection(host, port)
+        except OSError:
+            return kind, None
+        try:
             w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n")
-            writers.append(w)
-            opened += 1
-    closed = 0
-    k = 0
-    while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 3.0)
-        k += 1
-        for w in writers:
-            if w.is_closing():
-                continue
-            try:
-                w.write(f"X-Slow-{k}: {k}\r\n".encode())
+            if kind == "body":
+                w.write(
+                    b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100000\r\n\r\n{" % KEY.encode()
+                )
+            k = 0
+            while not stop.is_set():
+                read = asyncio.ensure_future(reader.read(65536))
+                waiting = asyncio.ensure_future(stop.wait())
+                done, _ = await asyncio.wait(
+                    {read, waiting}, timeout=SLOW_EVERY_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                waiting.cancel()
+                if read in done:
+                    return kind, True  # an answer (408) or the connection closed: cut by the gateway
+                read.cancel()
+                k += 1
+                w.write(f"X-Slow-{k}: {k}\r\n".encode() if kind == "head" else b" ")
                 await w.drain()
-            except (OSError, ConnectionError):
-                closed += 1
-                w.close()
-    for w in writers:
-        w.close()
-    return {"slow_clients_opened": opened, "slow_clients_closed_by_gateway": closed}
+            return kind, False
+        except (OSError, ConnectionError):
+            return kind, True
+        finally:
+            w.close()
+
+    out = await asyncio.gather(*(client(i) for i in range(n)))
+    opened = [(kind, cut) for kind, cut in out if cut is not None]
+    return {
+        "slow_clients_opened": len(opened),
+        "slow_heads_opened": sum(1 for kind, _ in opened if kind == "head"),
+        "slow_bodies_opened": sum(1 for kind, _ in opened if kind == "body"),
+        "slow_heads_cut_by_gateway": sum(1 for kind, cut in opened if kind == "head" and cut),
+        "slow_bodies_cut_by_gateway": sum(1 for kind, cut in opened if kind == "body" and cut),
+    }
 
 
 async def _big_bodies(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> list[int]:
@@ -392,7 +422,7 @@ async def _bench(
         log(f"capacity: {capacity:.2f} requests/s ({slots} slots)")
 
         # The overload runs the whole ``seconds``; the phases beside it at most two minutes.
-        short = min(seconds, 120.0)
+        short = min(seconds, ABUSE_S)
         phases = []
         for name, url, proc, factor, secs in (
             ("1 x capacity", gw.url, gw, 1.0, short),
@@ -446,6 +476,9 @@ async def _bench(
             and base["ttft_p95_s"] is not None
             and ab["ttft_p95_s"] <= max(2 * base["ttft_p95_s"], base["ttft_p95_s"] + 0.25)
         ),
+        # The phase lasts at least three deadlines: every slow client is cut before its end.
+        "abuse_slow_clients_all_cut": ab["slow_heads_cut_by_gateway"] == ab["slow_heads_opened"]
+        and ab["slow_bodies_cut_by_gateway"] == ab["slow_bodies_opened"],
     }
     return {
         "capacity_rps": capacity,
@@ -459,9 +492,17 @@ async def _bench(
         "setup": (
             f"{len(setup.sims)} x tidal sim fast-test at 25 ms steps, cap {CAP}/replica, streams of "
             f"{TOKENS} tokens; interactive wait budget {WAIT_BUDGET_S:g} s, TTFT SLO {TTFT_SLO_S:g} s; "
-            f"clients give up after {CLIENT_TIMEOUT_S:g} s"
+            f"clients give up after {CLIENT_TIMEOUT_S:g} s; gateway head and body deadlines "
+            f"{setup.deadline_s[0]:.3g} s and {setup.deadline_s[1]:.3g} s"
         ),
     }
+
+
+def _deadlines(seconds: float) -> tuple[float, float]:
+    """The gateway's head and body deadlines: its defaults (10 s, 20 s), or a third of a shorter
+    abuse phase, so that a quick run sees the slow clients cut too."""
+    short = min(seconds, ABUSE_S)
+    return min(10.0, short / 3), min(20.0, short / 3)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -481,7 +522,7 @@ def run(
     secs = float(seconds) if seconds is not None else (15.0 if quick else 600.0)
     with (
         tempfile.TemporaryDirectory(prefix="tidal-bench-soak-") as tmp,
-        _processes(Path(tmp), int(replicas)) as setup,
+        _processes(Path(tmp), int(replicas), _deadlines(secs)) as setup,
     ):
         result = asyncio.run(
             _bench(setup, secs, int(slow_clients), int(big_bodies), lambda m: print(m, flush=True))
@@ -511,8 +552,9 @@ def run(
     )
     ab = result["phases"][-1]
     print(
-        f"\nslow clients: {ab['slow_clients_opened']} opened, {ab['slow_clients_closed_by_gateway']} closed by the "
-        f"gateway; 64 MiB bodies: {ab['big_bodies_sent']} sent, statuses {ab['big_body_statuses']}"
+        f"\nslow clients: {ab['slow_heads_opened']} slow heads opened, {ab['slow_heads_cut_by_gateway']} cut by the "
+        f"gateway; {ab['slow_bodies_opened']} slow bodies opened, {ab['slow_bodies_cut_by_gateway']} cut; "
+        f"64 MiB bodies: {ab['big_bodies_sent']} sent, statuses {ab['big_body_statuses']}"
     )
     print(f"checks: {json.dumps(result['checks'])}")
     print(f"\n{result['setup']}; capacity {result['capacity_rps']:.2f} requests/s")
