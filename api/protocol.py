@@ -106,6 +106,7 @@ class BoundedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if not (self.parser.should_upgrade() and self._should_upgrade()):
             # (a request without a body completes in the same parse: the timer goes at once)
+            self._disarm_body()
             self._body_bytes = 0
             self._body_due = self.loop.time() + self.bounds.body_timeout_s
             self._body_timer = self.loop.call_later(self.bounds.body_timeout_s, self._body_timeout)
