@@ -1,13 +1,15 @@
 """The gateway's HTTP/1.1 server protocol: uvicorn's httptools protocol, with deadlines on every
-request's head and body and a size bound on its head.
+request's head and body and on a client's reading of its response, and a size bound on the head.
 
 uvicorn's httptools protocol (the gateway's, for speed) bounds none of them: a connection that
 opens and sends nothing stays open, one that sends a header line every few seconds (slowloris),
 or headers without end, holds its connection and the memory of what it sent for good (1,000 such
 clients are part of ``tidal bench soak``; one client sent 160 MB of headers and the server kept
 them all), and so does one that sends its body a byte at a time (the request's task waits on it
-for good). Here, as nginx's ``client_header_timeout`` and ``large_client_header_buffers`` and
-Apache's ``mod_reqtimeout`` (``body=20,MinRate=500``) do:
+for good), or one that stops reading a long response (its stream, and the replica's slot it
+holds, wait for good once the buffers are full). Here, as nginx's ``client_header_timeout``,
+``large_client_header_buffers`` and ``send_timeout`` and Apache's ``mod_reqtimeout``
+(``body=20,MinRate=500``) do:
 
 * **a head deadline**: a request's head (request line and headers) must be complete within
   ``head_timeout_s`` of the connection opening, or of the request's first byte on a kept-alive
@@ -22,14 +24,19 @@ Apache's ``mod_reqtimeout`` (``body=20,MinRate=500``) do:
   started (the application's wait for the body ends as for a client that went away), and the
   connection closed. Time the server itself stops reading does not count: while the
   application has not taken what came (uvicorn pauses reading past 64 KiB unread), a pipelined
-  request waits behind another, or a ``100-continue`` has not been sent, the deadline restarts.
+  request waits behind another, or a ``100-continue`` has not been sent, the deadline restarts;
+* **a send deadline**: when what the gateway writes to a client has piled up past the
+  transport's high-water mark (the kernel's buffers full: the client is not reading) and stays
+  there for ``send_timeout_s``, the connection is aborted; the application sees the client go
+  away (a stream ends and frees its replica's slot). A client that reads, however slowly, drains
+  the pile and restarts the clock.
 
 The body's size is the application's to bound (:class:`~api.limits.BodyLimit`).
 
 Example::
 
     bounds = RequestBounds(max_head_bytes=65536, head_timeout_s=10.0, body_timeout_s=20.0,
-                           body_min_bytes_per_s=500)
+                           body_min_bytes_per_s=500, send_timeout_s=60.0)
     uvicorn.run(app, http=bounded_protocol(bounds))
 """
 
@@ -53,6 +60,7 @@ class RequestBounds:
     head_timeout_s: float = 10.0
     body_timeout_s: float = 20.0
     body_min_bytes_per_s: int = 500
+    send_timeout_s: float = 60.0
 
 
 class _HeadTooLarge(Exception):
@@ -75,6 +83,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_due = 0.0  # loop time the body is due by, before what came extends it
         self._body_bytes = 0  # of the body being read
+        self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -83,7 +92,21 @@ class BoundedProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._disarm_body()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.bounds.send_timeout_s, self._send_timeout)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -176,6 +199,13 @@ class BoundedProtocol(HttpToolsProtocol):
             self._refuse(408)
         else:
             self.transport.close()
+
+    def _send_timeout(self) -> None:
+        """The client has taken nothing for ``send_timeout_s``: drop the connection and what is
+        buffered for it (a close would wait to flush it, and a closing transport that the client
+        does not read stays open as long)."""
+        self._send_timer = None
+        self.transport.abort()
 
     def _refuse(self, status: int) -> None:
         """Answer ``status`` with ``Connection: close`` and close (what is left unread is not)."""

@@ -616,6 +616,8 @@ class GatewaySpec(_Strict):
     # body_min_bytes_per_s bytes that came (408 after; api/protocol.py).
     body_timeout_s: float = Field(default=20.0, gt=0, le=3600)
     body_min_bytes_per_s: int = Field(default=500, ge=1, le=1 << 30)
+    # A response the client stops reading: aborted once writes have waited this long on it.
+    send_timeout_s: float = Field(default=60.0, gt=0, le=3600)
     scrape_interval_s: float = Field(default=1.0, gt=0, le=60)
     retry_before_first_token: bool = True
     # The replicas' HTTP client: the gateway's lean HTTP/1.1 pool, or aiohttp (measured side by

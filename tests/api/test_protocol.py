@@ -1,8 +1,9 @@
 """The gateway's server protocol bounds a request's head -- its size (431) and how long it may take
-to arrive (408; an idle new connection is closed) -- and how long its body may take (408), over
-real sockets against uvicorn; and nothing else: kept-alive connections, long streamed responses,
-pipelined requests, a steady upload longer than the body deadline and bodies the application
-takes its time to read are served as before. The last test runs ``tidal gateway`` itself with a
+to arrive (408; an idle new connection is closed) -- how long its body may take (408), and how
+long a client may leave its response unread (aborted), over real sockets against uvicorn; and
+nothing else: kept-alive connections, long streamed responses, pipelined requests, a steady
+upload longer than the body deadline, bodies the application takes its time to read and a
+client that reads a large response slowly are served as before. The last test runs ``tidal gateway`` itself with a
 fleet file's bounds."""
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ MAX_HEAD = 4096
 BODY_TIMEOUT_S = 0.6
 BODY_RATE = 100  # bytes a second that extend the body deadline by a second
 LATE_S = 1.5  # how long ``/late`` waits before reading its body
+SEND_TIMEOUT_S = 0.6
+MIB = 1 << 20
+_sent: dict[str, float] = {}  # ``/big?n`` -> when the application's last send returned
 
 
 async def _app(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[type-arg]
-    """``/stream?n``: n pieces 0.1 s apart; ``/late``: reads its body after ``LATE_S``;
-    anything else: ``ok`` (a request's body is read first; its length leads the answer)."""
+    """``/stream?n``: n pieces 0.1 s apart; ``/big?n``: n MiB at once (when its sends returned is
+    kept in ``_sent``); ``/late``: reads its body after ``LATE_S``; anything else: ``ok`` (a
+    request's body is read first; its length leads the answer)."""
     if scope["type"] != "http":
         return
     if scope["path"] == "/late":
@@ -50,6 +55,10 @@ async def _app(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[ty
         for _ in range(int(scope["query_string"] or 1)):
             await send({"type": "http.response.body", "body": b"x", "more_body": True})
             await asyncio.sleep(0.1)
+    if scope["path"] == "/big":
+        for _ in range(int(scope["query_string"] or 1)):
+            await send({"type": "http.response.body", "body": b"y" * MIB, "more_body": True})
+        _sent[scope["query_string"].decode()] = time.monotonic()
     await send(
         {"type": "http.response.body", "body": f"{size} ".encode() if size else b"", "more_body": True}
     )
@@ -84,7 +93,7 @@ def _serve(bounds: RequestBounds) -> Iterator[int]:
 
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
-    with _serve(RequestBounds(MAX_HEAD, TIMEOUT_S, BODY_TIMEOUT_S, BODY_RATE)) as port:
+    with _serve(RequestBounds(MAX_HEAD, TIMEOUT_S, BODY_TIMEOUT_S, BODY_RATE, SEND_TIMEOUT_S)) as port:
         yield port
 
 
@@ -223,7 +232,7 @@ def test_a_steady_upload_longer_than_the_deadline_is_served(port: int) -> None:
 def test_time_the_server_is_not_reading_does_not_count() -> None:
     # Waiting to send 100 Continue until the application asks for the body (uvicorn), and
     # pausing reading past 64 KiB unread: neither is the client's delay.
-    with _serve(RequestBounds(MAX_HEAD, TIMEOUT_S, BODY_TIMEOUT_S, 1 << 30)) as port:
+    with _serve(RequestBounds(MAX_HEAD, TIMEOUT_S, BODY_TIMEOUT_S, 1 << 30, SEND_TIMEOUT_S)) as port:
         with _connect(port) as s:
             s.sendall(_post_head("/late", 5, b"Expect: 100-continue\r\n"))
             assert s.recv(65536).startswith(b"HTTP/1.1 100 ")  # after LATE_S
@@ -239,10 +248,37 @@ def test_time_the_server_is_not_reading_does_not_count() -> None:
         assert reply.startswith(b"HTTP/1.1 200 ") and f"{size} ".encode() in reply, reply
 
 
+def test_a_client_that_stops_reading_is_cut_and_one_that_reads_slowly_is_not(port: int) -> None:
+    with _connect(port) as s:
+        s.sendall(_get("/big?64"))  # 64 MiB: far past what the kernel's buffers take unread
+        t0 = time.monotonic()
+        while "64" not in _sent and time.monotonic() - t0 < SEND_TIMEOUT_S + 3.0:
+            time.sleep(0.05)
+        # The application's sends returned (the client went away, for it) without a byte read.
+        assert "64" in _sent and SEND_TIMEOUT_S - 0.1 <= _sent["64"] - t0 < SEND_TIMEOUT_S + 3.0
+        got = b""
+        with contextlib.suppress(ConnectionResetError):  # aborted: what the kernel held, then the end
+            while chunk := s.recv(MIB):
+                got += chunk
+        assert got.count(b"y") < 64 * MIB and not got.endswith(_END)
+    with _connect(port) as s:
+        s.sendall(_get("/big?8"))
+        got, t0 = b"", time.monotonic()
+        while not got.endswith(_END):
+            got += s.recv(256 * 1024)
+            time.sleep(0.02)  # ~12 MiB/s: 8 MiB take longer than the deadline, never paused as long
+        assert time.monotonic() - t0 > SEND_TIMEOUT_S
+        assert got.startswith(b"HTTP/1.1 200 ") and got.count(b"y" * 1024) == 8 * 1024
+
+
 def test_the_gateway_serves_with_the_fleet_files_bounds(tmp_path: Path) -> None:
     fleet = fleet_dict(["http://127.0.0.1:9"])
     fleet["gateway"].update(
-        max_head_bytes=2048, head_timeout_s=1.0, body_timeout_s=1.0, body_min_bytes_per_s=100
+        max_head_bytes=2048,
+        head_timeout_s=1.0,
+        body_timeout_s=1.0,
+        body_min_bytes_per_s=100,
+        send_timeout_s=5.0,
     )
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(fleet))

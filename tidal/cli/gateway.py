@@ -89,7 +89,9 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
         "gateway on http://%s:%d (fleet %s, %d process(es)%s)", host, port, path, workers, shared
     )
     g = fleet.gateway
-    bounds = RequestBounds(g.max_head_bytes, g.head_timeout_s, g.body_timeout_s, g.body_min_bytes_per_s)
+    bounds = RequestBounds(
+        g.max_head_bytes, g.head_timeout_s, g.body_timeout_s, g.body_min_bytes_per_s, g.send_timeout_s
+    )
     if workers > 1:
         from tidal.api.serve import serve_workers
 
