@@ -90,11 +90,9 @@ class BoundedProtocol(HttpToolsProtocol):
         self._arm()  # the first request's head is due too
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        self._disarm_body()
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
+        self._head_timer = _cancelled(self._head_timer)
+        self._body_timer = _cancelled(self._body_timer)
+        self._send_timer = _cancelled(self._send_timer)
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -104,9 +102,7 @@ class BoundedProtocol(HttpToolsProtocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
+        self._send_timer = _cancelled(self._send_timer)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -124,12 +120,12 @@ class BoundedProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._disarm()
+        self._head_timer = _cancelled(self._head_timer)
         self._head_started = False
         super().on_headers_complete()
         if not (self.parser.should_upgrade() and self._should_upgrade()):
             # (a request without a body completes in the same parse: the timer goes at once)
-            self._disarm_body()
+            _cancelled(self._body_timer)
             self._body_bytes = 0
             self._body_due = self.loop.time() + self.bounds.body_timeout_s
             self._body_timer = self.loop.call_later(self.bounds.body_timeout_s, self._body_timeout)
@@ -139,7 +135,7 @@ class BoundedProtocol(HttpToolsProtocol):
         super().on_body(body)
 
     def on_message_complete(self) -> None:
-        self._disarm_body()
+        self._body_timer = _cancelled(self._body_timer)
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
@@ -157,18 +153,8 @@ class BoundedProtocol(HttpToolsProtocol):
             raise _HeadTooLarge
 
     def _arm(self) -> None:
-        self._disarm()
+        _cancelled(self._head_timer)
         self._head_timer = self.loop.call_later(self.bounds.head_timeout_s, self._head_timeout)
-
-    def _disarm(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _disarm_body(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
 
     def _head_timeout(self) -> None:
         self._head_timer = None
@@ -216,6 +202,13 @@ class BoundedProtocol(HttpToolsProtocol):
         head.append(b"connection: close\r\n\r\n")
         self.transport.write(b"".join(head) + body)
         self.transport.close()
+
+
+def _cancelled(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
+    """Cancel ``timer`` if there is one; returns ``None``, for the attribute that held it."""
+    if timer is not None:
+        timer.cancel()
+    return None
 
 
 def bounded_protocol(bounds: RequestBounds) -> type[BoundedProtocol]:

@@ -3,8 +3,8 @@ to arrive (408; an idle new connection is closed) -- how long its body may take 
 long a client may leave its response unread (aborted), over real sockets against uvicorn; and
 nothing else: kept-alive connections, long streamed responses, pipelined requests, a steady
 upload longer than the body deadline, bodies the application takes its time to read and a
-client that reads a large response slowly are served as before. The last test runs ``tidal gateway`` itself with a
-fleet file's bounds."""
+client that reads a large response slowly are served as before. The last test runs
+``tidal gateway`` itself with a fleet file's bounds."""
 
 from __future__ import annotations
 

@@ -90,7 +90,11 @@ def gateway(config: Path | None, host: str, port: int, workers: int) -> None:
     )
     g = fleet.gateway
     bounds = RequestBounds(
-        g.max_head_bytes, g.head_timeout_s, g.body_timeout_s, g.body_min_bytes_per_s, g.send_timeout_s
+        max_head_bytes=g.max_head_bytes,
+        head_timeout_s=g.head_timeout_s,
+        body_timeout_s=g.body_timeout_s,
+        body_min_bytes_per_s=g.body_min_bytes_per_s,
+        send_timeout_s=g.send_timeout_s,
     )
     if workers > 1:
         from tidal.api.serve import serve_workers
