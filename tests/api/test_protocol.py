@@ -3,13 +3,15 @@ to arrive (408; an idle new connection is closed) -- how long its body may take 
 long a client may leave its response unread (aborted), over real sockets against uvicorn; and
 nothing else: kept-alive connections, long streamed responses, pipelined requests, a steady
 upload longer than the body deadline, bodies the application takes its time to read and a
-client that reads a large response slowly are served as before. The last test runs
-``tidal gateway`` itself with a fleet file's bounds."""
+client that reads a large response slowly are served as before. The last two run ``tidal
+gateway`` itself: with a fleet file's bounds, and in front of a simulated replica whose stream a
+client stops reading (cut, and aborted upstream)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import sys
 import threading
@@ -18,13 +20,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 import yaml
 
-from tests.api.harness import fleet_dict
+from tests.api.harness import DEV_KEY, fleet_dict, run_gateway, running as running_process
 from tidal.api.protocol import RequestBounds, bounded_protocol
-from tidal.replicas.launcher import ReplicaProcess, free_port
+from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process
+from tidal.replicas.wire.prom import parse_samples
 
 TIMEOUT_S = 0.6
 MAX_HEAD = 4096
@@ -312,3 +316,65 @@ def test_the_gateway_serves_with_the_fleet_files_bounds(tmp_path: Path) -> None:
             assert 0.9 <= time.monotonic() - t0 < 4.0
     finally:
         proc.stop()
+
+
+def test_the_gateway_cuts_a_stream_nobody_reads_and_frees_its_replica(tmp_path: Path) -> None:
+    """Through ``tidal gateway`` to a simulated replica: a client that stops reading a long
+    stream is cut once the gateway's writes have waited ``send_timeout_s``, and the request is
+    aborted upstream -- the gateway's in-flight count and the replica's running requests both
+    drop -- while the stream would have run for several seconds more."""
+    sim = sim_process("fast-test", args=["--served-model-name", "m"], log_path=tmp_path / "sim.log")
+    fleet = {
+        "models": [{"name": "m"}],
+        "pools": {
+            "interactive": {
+                "kind": "interactive",
+                "model": "m",
+                "replicas": [{"name": "r0", "url": sim.url}],
+            }
+        },
+        "features": {"default": {"context_cap": 32000}},
+        "gateway": {"send_timeout_s": 1.0},
+    }
+    # 8 choices of 8,000 tokens at ~1 ms a step: ~3 MB (what the kernel's buffers take unread)
+    # arrive in about two seconds, and the whole answer would take ten or more.
+    body = json.dumps(
+        {
+            "model": "m",
+            "stream": True,
+            "n": 8,
+            "max_tokens": 8000,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+    ).encode()
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + DEV_KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+
+    def running() -> tuple[float, float]:
+        engine = parse_samples(
+            httpx.get(sim.url + "/metrics", timeout=10).text, {"vllm:num_requests_running"}
+        )
+        return gw.metric("tidal_gateway_replica_inflight"), sum(s.value for s in engine)
+
+    with running_process(sim), run_gateway(tmp_path, fleet) as gw:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # no autotuning: little is taken
+            s.connect(("127.0.0.1", int(gw.url.rsplit(":", 1)[1])))
+            s.sendall(head + body)
+            assert s.recv(15).startswith(b"HTTP/1.1 200 ")
+            t0 = time.monotonic()
+            seen = [running()]
+            while seen[-1] != (0.0, 0.0) and time.monotonic() - t0 < 8.0:
+                time.sleep(0.2)
+                seen.append(running())
+            cut_after = time.monotonic() - t0
+            assert seen[0][0] == 1.0 and seen[0][1] >= 1.0, seen  # streaming, unread
+            assert seen[-1] == (0.0, 0.0), seen  # cut and aborted upstream, long before its end
+            got = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := s.recv(MIB):
+                    got += chunk
+        assert b"data: [DONE]" not in got and got.count(b"data: {") < 8 * 8000
+        assert cut_after >= 1.0  # not before the send deadline
