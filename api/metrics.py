@@ -18,6 +18,8 @@ Prometheus (``GET /metrics``):
   ``tidal_router_plugin_duration_seconds{extension, type, name}`` (one decision in 8 is timed);
 * ``tidal_gateway_retries_total{reason}``, ``tidal_gateway_upstream_errors_total{replica}``,
   ``tidal_gateway_overflow_requests_total{result}``;
+* ``tidal_gateway_connections_cut_total{reason}`` -- connections the server's bounds ended
+  (:mod:`api.protocol`: head_too_large, head_timeout, idle, body_timeout, send_timeout);
 * ``tidal_gateway_replica_inflight{replica, pool}``, ``tidal_gateway_replica_cap{replica, pool}``,
   ``tidal_admission_queue_depth{pool}`` -- read from live state at scrape time.
 """
@@ -29,9 +31,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tidal.api.protocol import CUT_REASONS, CUTS
 from tidal.clock import Clock
 from tidal.priority.admission import Admission, Outcome
 from tidal.priority.window import SlidingWindow
@@ -163,6 +166,7 @@ class GatewayMetrics(RouterMetrics):
             registry=r,
         )
         self._outcomes = Children(self.outcomes)
+        r.register(_ConnectionCuts())
 
     def attach_live(self, registry: ReplicaRegistry, admission: Admission) -> None:
         self.prom.register(_LiveState(registry, admission))
@@ -236,3 +240,18 @@ class GatewayMetrics(RouterMetrics):
     def token_time(self, pool: str, class_name: str, tpot_s: float) -> None:
         self.tpot.labels(pool, class_name).observe(tpot_s)
         self.pool(pool).tpot.add(tpot_s)
+
+
+class _ConnectionCuts(Collector):
+    """``tidal_gateway_connections_cut_total{reason}``, read from the process's tally at scrape
+    time (every reason from 0)."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        cuts = CounterMetricFamily(
+            "tidal_gateway_connections_cut",
+            "Client connections ended by the server's bounds on heads, bodies and reading",
+            labels=["reason"],
+        )
+        for reason in CUT_REASONS:
+            cuts.add_metric([reason], CUTS[reason])
+        yield cuts

@@ -33,6 +33,11 @@ holds, wait for good once the buffers are full). Here, as nginx's ``client_heade
 
 The body's size is the application's to bound (:class:`~api.limits.BodyLimit`).
 
+Every connection a bound ends is counted in :data:`CUTS` by reason (``head_too_large``,
+``head_timeout``, ``idle``: a new connection that sent nothing, ``body_timeout``,
+``send_timeout``); the gateway exports the counts as ``tidal_gateway_connections_cut_total``.
+One process serves one server, so the tally is the process's.
+
 Example::
 
     bounds = RequestBounds(max_head_bytes=65536, head_timeout_s=10.0, body_timeout_s=20.0,
@@ -43,13 +48,17 @@ Example::
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-__all__ = ["BoundedProtocol", "RequestBounds", "bounded_protocol"]
+__all__ = ["CUTS", "CUT_REASONS", "BoundedProtocol", "RequestBounds", "bounded_protocol"]
+
+CUT_REASONS = ("head_too_large", "head_timeout", "idle", "body_timeout", "send_timeout")
+CUTS: Counter[str] = Counter()  # connections the bounds ended in this process, by reason
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,7 @@ class BoundedProtocol(HttpToolsProtocol):
         """uvicorn's answer to a parse error; a head over the bound stopped the parse with one,
         and gets its own status instead."""
         if self._too_large:
+            CUTS["head_too_large"] += 1
             self._refuse(431)
         else:
             super().send_400_response(msg)
@@ -164,8 +174,10 @@ class BoundedProtocol(HttpToolsProtocol):
             self._arm()  # a response is being written: the head behind it waits for it
             return
         if self._head_started:
+            CUTS["head_timeout"] += 1
             self._refuse(408)
         else:
+            CUTS["idle"] += 1
             self.transport.close()  # nothing came: nothing to answer
 
     def _body_timeout(self) -> None:
@@ -181,7 +193,9 @@ class BoundedProtocol(HttpToolsProtocol):
         due = self._body_due + self._body_bytes / b.body_min_bytes_per_s
         if now < due:
             self._body_timer = self.loop.call_later(due - now, self._body_timeout)
-        elif not cycle.response_started:
+            return
+        CUTS["body_timeout"] += 1
+        if not cycle.response_started:
             self._refuse(408)
         else:
             self.transport.close()
@@ -191,6 +205,7 @@ class BoundedProtocol(HttpToolsProtocol):
         buffered for it (a close would wait to flush it, and a closing transport that the client
         does not read stays open as long)."""
         self._send_timer = None
+        CUTS["send_timeout"] += 1
         self.transport.abort()
 
     def _refuse(self, status: int) -> None:

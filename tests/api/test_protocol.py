@@ -26,7 +26,7 @@ import uvicorn
 import yaml
 
 from tests.api.harness import DEV_KEY, fleet_dict, run_gateway, running as running_process
-from tidal.api.protocol import RequestBounds, bounded_protocol
+from tidal.api.protocol import CUT_REASONS, CUTS, RequestBounds, bounded_protocol
 from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process
 from tidal.replicas.wire.prom import parse_samples
 
@@ -149,26 +149,40 @@ def _trickle(s: socket.socket, total: int, piece: int, every_s: float) -> None:
         time.sleep(every_s)
 
 
+@contextlib.contextmanager
+def _cuts(**expected: int) -> Iterator[None]:
+    """The connections the bounds cut inside the block, by reason: ``expected``, none other."""
+    before = dict(CUTS)
+    yield
+    got = {r: CUTS[r] - before.get(r, 0) for r in CUT_REASONS}
+    assert got == {r: expected.get(r, 0) for r in CUT_REASONS}
+
+
+def _gateway_cuts(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.labels["reason"]: s.value for s in parse_samples(text, {"tidal_gateway_connections_cut_total"})}
+
+
 def test_a_head_over_the_bound_is_answered_431_and_closed(port: int) -> None:
-    with _connect(port) as s:
+    with _cuts(head_too_large=1), _connect(port) as s:
         s.sendall(b"GET / HTTP/1.1\r\nHost: gw\r\n")
         with pytest.raises((ConnectionError, OSError)):  # sent until the server shuts the connection
             for _ in range(1000):
                 s.sendall(b"X-Pad: " + b"a" * 1000 + b"\r\n")
                 time.sleep(0.001)
             s.recv(1)  # (a server that kept reading: no 431 below either)
-    with _connect(port) as s:
+    with _cuts(head_too_large=1), _connect(port) as s:
         s.sendall(_get(extra=b"X-Pad: " + b"a" * (MAX_HEAD + 10) + b"\r\n"))
         reply = _read_all(s)
     assert reply.startswith(b"HTTP/1.1 431 ") and b"connection: close" in reply.lower()
     # A head within the bound is served.
-    with _connect(port) as s:
+    with _cuts(), _connect(port) as s:
         s.sendall(_get(extra=b"X-Pad: " + b"a" * (MAX_HEAD - 200) + b"\r\n"))
         assert _response(s).startswith(b"HTTP/1.1 200 ")
 
 
 def test_a_head_that_does_not_arrive_in_time_is_answered_408_and_closed(port: int) -> None:
-    with _connect(port) as s:
+    with _cuts(head_timeout=1), _connect(port) as s:
         t0 = time.monotonic()
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n")
         for k in range(20):  # a header line every 0.1 s, never the blank line
@@ -185,14 +199,14 @@ def test_a_head_that_does_not_arrive_in_time_is_answered_408_and_closed(port: in
 
 
 def test_a_new_connection_that_sends_nothing_is_closed_without_a_reply(port: int) -> None:
-    with _connect(port) as s:
+    with _cuts(idle=1), _connect(port) as s:
         t0 = time.monotonic()
         assert _read_all(s) == b""
         assert TIMEOUT_S - 0.1 <= time.monotonic() - t0 < TIMEOUT_S + 2.0
 
 
 def test_kept_alive_connections_long_streams_and_pipelined_requests_are_served(port: int) -> None:
-    with _connect(port) as s:
+    with _cuts(), _connect(port) as s:
         # The deadline counts from each request's first byte: a connection older than it that
         # keeps sending whole requests is served (each pause below uvicorn's keep-alive, 5 s).
         for _ in range(4):
@@ -213,7 +227,7 @@ def test_kept_alive_connections_long_streams_and_pipelined_requests_are_served(p
 
 
 def test_a_body_that_trickles_is_answered_408_and_closed(port: int) -> None:
-    with _connect(port) as s:
+    with _cuts(body_timeout=1), _connect(port) as s:
         s.sendall(_post_head("/", 1000))
         t0 = time.monotonic()
         _trickle(s, 1000, 1, 0.1)  # 10 bytes a second: the deadline, 0.6 s + 0.01 s a byte, passes at ~0.67 s
@@ -224,7 +238,7 @@ def test_a_body_that_trickles_is_answered_408_and_closed(port: int) -> None:
 
 
 def test_a_steady_upload_longer_than_the_deadline_is_served(port: int) -> None:
-    with _connect(port) as s:
+    with _cuts(), _connect(port) as s:
         s.sendall(_post_head("/", 300))
         t0 = time.monotonic()
         _trickle(s, 300, 30, 0.1)  # 300 bytes a second, 3 x the rate: its deadline keeps ahead
@@ -236,7 +250,7 @@ def test_a_steady_upload_longer_than_the_deadline_is_served(port: int) -> None:
 def test_time_the_server_is_not_reading_does_not_count() -> None:
     # Waiting to send 100 Continue until the application asks for the body (uvicorn), and
     # pausing reading past 64 KiB unread: neither is the client's delay.
-    with _serve(RequestBounds(MAX_HEAD, TIMEOUT_S, BODY_TIMEOUT_S, 1 << 30, SEND_TIMEOUT_S)) as port:
+    with _serve(RequestBounds(MAX_HEAD, TIMEOUT_S, BODY_TIMEOUT_S, 1 << 30, SEND_TIMEOUT_S)) as port, _cuts():
         with _connect(port) as s:
             s.sendall(_post_head("/late", 5, b"Expect: 100-continue\r\n"))
             assert s.recv(65536).startswith(b"HTTP/1.1 100 ")  # after LATE_S
@@ -253,7 +267,7 @@ def test_time_the_server_is_not_reading_does_not_count() -> None:
 
 
 def test_a_client_that_stops_reading_is_cut_and_one_that_reads_slowly_is_not(port: int) -> None:
-    with _connect(port) as s:
+    with _cuts(send_timeout=1), _connect(port) as s:
         s.sendall(_get("/big?64"))  # 64 MiB: far past what the kernel's buffers take unread
         t0 = time.monotonic()
         while "64" not in _sent and time.monotonic() - t0 < SEND_TIMEOUT_S + 3.0:
@@ -265,7 +279,7 @@ def test_a_client_that_stops_reading_is_cut_and_one_that_reads_slowly_is_not(por
             while chunk := s.recv(MIB):
                 got += chunk
         assert got.count(b"y") < 64 * MIB and not got.endswith(_END)
-    with _connect(port) as s:
+    with _cuts(), _connect(port) as s:
         s.sendall(_get("/big?8"))
         got, t0 = b"", time.monotonic()
         while not got.endswith(_END):
@@ -314,6 +328,14 @@ def test_the_gateway_serves_with_the_fleet_files_bounds(tmp_path: Path) -> None:
             _trickle(s, 1000, 1, 0.1)
             assert _read_all(s).startswith(b"HTTP/1.1 408 ")
             assert 0.9 <= time.monotonic() - t0 < 4.0
+        cuts = _gateway_cuts(f"http://127.0.0.1:{gw_port}")
+        assert cuts == {
+            "head_too_large": 1,
+            "head_timeout": 1,
+            "idle": 0,
+            "body_timeout": 1,
+            "send_timeout": 0,
+        }
     finally:
         proc.stop()
 
@@ -378,3 +400,4 @@ def test_the_gateway_cuts_a_stream_nobody_reads_and_frees_its_replica(tmp_path: 
                     got += chunk
         assert b"data: [DONE]" not in got and got.count(b"data: {") < 8 * 8000
         assert cut_after >= 1.0  # not before the send deadline
+        assert _gateway_cuts(gw.url)["send_timeout"] == 1
