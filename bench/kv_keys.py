@@ -13,13 +13,17 @@ with its chat template, it times on one core:
 * ``vllm_hash_us`` -- vLLM's own block hashes of the same blocks (SHA-256 of the pickled
   tuple), which a gateway keyed by engine hashes would compute instead;
 * ``lookup_us`` -- one candidate's match in its index (every block cached: the longest walk);
+* ``match8_us`` -- the matches of 8 candidates holding 1/8, 2/8, ... 8/8 of the prompt, as the
+  ``kv-index`` makes them (:meth:`router.kv_events.ReplicaBlockIndex.leading_shared`: one pass
+  over the prompt through the pool's holders), against ``match8_scans_us``, the baseline in the
+  same run: each candidate's own index walked in turn;
 * ``estimate_us`` -- the baseline in the same run: the 64-character text blocks the estimate
   hashes today (:func:`router.prefix.text_blocks`);
 * ``apply_us`` -- applying one ``BlockStored`` of the prompt's blocks to an index (per event
   batch, off the request path).
 
 Per request the gateway pays ``tokenize + keys`` once (only when a candidate publishes events
-and holds blocks) and ``lookup`` per candidate; ``per_request_us`` is the first-time cost,
+and holds blocks) and ``match8`` per 8 candidates; ``per_request_us`` is the first-time cost,
 ``warm_request_us`` the cost with a cached system prompt. ``--quick`` times fewer repetitions.
 """
 
@@ -29,13 +33,13 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from tidal.replicas.sim.tokenizer import HFTokenizer, SimTokenizer, WordTokenizer
 from tidal.replicas.wire.kv_events import BlockHasher, BlockStored, KVEventBatch
-from tidal.router.kv_events import PromptTokenizer, ReplicaBlockIndex, chain_keys
+from tidal.router.kv_events import BlockHolders, PromptTokenizer, ReplicaBlockIndex, chain_keys
 from tidal.router.prefix import render_messages, text_blocks
 
 __all__ = ["run"]
@@ -81,6 +85,46 @@ def _apply(batch: KVEventBatch) -> None:
     index = ReplicaBlockIndex()
     index.reset(complete=True)
     index.apply(batch)
+
+
+def _pool(ids: list[int], bs: int, n: int, candidates: int = 8) -> list[ReplicaBlockIndex]:
+    """``candidates`` indexes sharing one pool's holders; the i-th holds the first (i + 1) /
+    ``candidates`` of the prompt's ``n`` blocks."""
+    holders = BlockHolders()
+    pool = []
+    for i in range(candidates):
+        held = n * (i + 1) // candidates
+        idx = ReplicaBlockIndex()
+        idx.reset(complete=True)
+        idx.share(holders, holders.bit(f"r{i}"))
+        idx.apply(
+            KVEventBatch(
+                0.0,
+                [
+                    BlockStored(
+                        block_hashes=list(range(1, held + 1)),
+                        parent_block_hash=None,
+                        token_ids=ids[: held * bs],
+                        block_size=bs,
+                        lora_id=None,
+                        medium="GPU",
+                        lora_name=None,
+                    )
+                ],
+                0,
+            )
+        )
+        pool.append(idx)
+    return pool
+
+
+def _match_shared(pool: list[ReplicaBlockIndex], keys: tuple[int, ...]) -> list[int]:
+    memo: dict[int, tuple[Sequence[int], Callable[[int], int]]] = {}  # one per request
+    return [idx.leading_shared(keys, memo) for idx in pool]
+
+
+def _match_scans(pool: list[ReplicaBlockIndex], keys: tuple[int, ...]) -> list[int]:
+    return [idx.leading(keys) for idx in pool]
 
 
 def _messages(target_tokens: int, tok: SimTokenizer) -> list[dict[str, str]]:
@@ -133,6 +177,12 @@ def run(quick: bool, out_dir: Path, tokenizer: str | None = None) -> list[dict[s
                 batch = KVEventBatch(0.0, [event], 0)
                 idx.apply(batch)
                 assert idx.leading(keys) == n
+                pool = _pool(ids, bs, n)
+                assert (
+                    _match_shared(pool, keys)
+                    == _match_scans(pool, keys)
+                    == [n * (i + 1) // 8 for i in range(8)]
+                )
 
                 row: dict[str, Any] = {
                     "tokenizer": tname,
@@ -144,6 +194,8 @@ def run(quick: bool, out_dir: Path, tokenizer: str | None = None) -> list[dict[s
                     "keys_us": _timed(functools.partial(chain_keys, ids, bs, limit=n), reps),
                     "vllm_hash_us": _timed(functools.partial(hasher.chain, ids, bs, limit=n), reps),
                     "lookup_us": _timed(functools.partial(idx.leading, keys), reps),
+                    "match8_us": _timed(functools.partial(_match_shared, pool, keys), reps),
+                    "match8_scans_us": _timed(functools.partial(_match_scans, pool, keys), reps),
                     "estimate_us": _timed(functools.partial(_estimate, msgs), reps),
                     "apply_us": _timed(functools.partial(_apply, batch), max(5, reps // 4)),
                 }
@@ -163,6 +215,8 @@ def run(quick: bool, out_dir: Path, tokenizer: str | None = None) -> list[dict[s
             "keys_us",
             "vllm_hash_us",
             "lookup_us",
+            "match8_us",
+            "match8_scans_us",
             "estimate_us",
             "per_request_us",
             "warm_request_us",

@@ -43,8 +43,11 @@ import asyncio
 import contextlib
 import logging
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, repeat
+from operator import and_
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -89,6 +92,7 @@ log = logging.getLogger(__name__)
 ROOT_KEY = 0x7164_616C_6B76_0001
 
 _MISSING = object()
+_SCAN_BLOCKS = 32  # prompts of up to this many blocks are matched by walking each index
 
 
 def block_key(parent: int, extra: tuple[Any, ...] | None, token_ids: Sequence[int]) -> int:
@@ -197,6 +201,25 @@ class BlockHolders:
 
     def add(self, key: int, bit: int) -> None:
         self.masks[key] = self.masks.get(key, 0) | (1 << bit)
+
+    def runs(self, keys: Sequence[int]) -> Callable[[int], int]:
+        """How many of ``keys`` (a prompt's chained block keys) lead the prompt at each replica,
+        as a function of the replica's bit. One pass over the prompt's blocks serves the whole
+        pool (at C speed: the masks of the blocks, AND-ed along the prompt, so a replica's bit
+        stays set exactly as far as it holds every block before), then a binary search per
+        replica; asking each replica's index walks the prompt once per replica."""
+        held_so_far = list(accumulate(map(self.masks.get, keys, repeat(0)), and_))
+        n = len(held_so_far)
+
+        def run(bit: int) -> int:
+            m = 1 << bit
+            if not n or not held_so_far[0] & m:
+                return 0
+            if held_so_far[-1] & m:
+                return n
+            return bisect_left(held_so_far, True, 1, n - 1, key=lambda x: not x & m)
+
+        return run
 
     def discard(self, key: int, bit: int) -> None:
         m = self.masks.get(key)
@@ -363,6 +386,22 @@ class ReplicaBlockIndex:
     def fresh(self, now: float, bound_s: float) -> bool:
         """Proven current within ``bound_s`` of ``now``."""
         return now - self.as_of <= bound_s
+
+    def leading_shared(
+        self, keys: Sequence[int], memo: dict[int, tuple[Sequence[int], Callable[[int], int]]]
+    ) -> int:
+        """:meth:`leading`, read from the holders this index keeps current when it has some: a
+        request's candidates that share them are matched in one pass over the prompt
+        (:meth:`BlockHolders.runs`; ``memo``, one per request, keeps it for the next candidate).
+        A prompt of a few blocks is cheaper to walk here."""
+        holders = self.holders
+        if holders is None or len(keys) <= _SCAN_BLOCKS:
+            return self.leading(keys)
+        # (by identity: the request's keys per block size are one tuple; kept, so its id is too)
+        kept = memo.get(id(holders))
+        if kept is None or kept[0] is not keys:
+            kept = memo[id(holders)] = (keys, holders.runs(keys))
+        return kept[1](self._bit)
 
     def leading(self, keys: Iterable[int]) -> int:
         """How many of ``keys`` (a prompt's chained block keys) lead the prompt in this cache --

@@ -12,7 +12,9 @@ import pytest
 from tidal.clock import ManualClock
 from tidal.replicas.sim.tokenizer import WordTokenizer
 from tidal.replicas.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tidal.router import kv_events
 from tidal.router.kv_events import (
+    BlockHolders,
     PromptKeys,
     PromptTokenizer,
     ReplicaBlockIndex,
@@ -116,6 +118,48 @@ def test_memory_is_bounded_and_the_picture_then_incomplete() -> None:
     idx.apply(batch(stored([11, 12, 13], None, PROMPT[:12])))
     assert len(idx) == 2 and not idx.complete
     assert idx.leading(keys()) == 0  # the oldest (the chain's head) went first
+
+
+def test_the_pools_holders_match_every_replica_as_its_own_index_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pass over the prompt through the shared holders gives each replica the run its own
+    index gives, whatever the events did: removals in the middle of a chain (a cache that is not
+    prefix-closed), copies, clears, the memory bound, a replica leaving."""
+    monkeypatch.setattr(kv_events, "_SCAN_BLOCKS", 0)  # (short prompts are walked otherwise)
+    rng = random.Random(5)
+    holders = BlockHolders()
+    names = [f"r{i}" for i in range(6)]
+    idxs = {}
+    for n in names:
+        idxs[n] = ReplicaBlockIndex(max_blocks=40)
+        idxs[n].reset(complete=True)
+        idxs[n].share(holders, holders.bit(n))
+    prompts = [[rng.randrange(3) for _ in range(BS * rng.randint(1, 8))] for _ in range(12)]
+    next_hash = iter(range(1, 1 << 30))
+    hashes: dict[str, list[int]] = {n: [] for n in names}
+    for _ in range(400):
+        name = rng.choice(names)
+        idx, roll = idxs[name], rng.random()
+        if roll < 0.6:
+            tokens = rng.choice(prompts)
+            hs = [next(next_hash) for _ in range(len(tokens) // BS)]
+            idx.apply(batch(stored(hs, None, tokens)))
+            hashes[name] += hs
+        elif roll < 0.9 and hashes[name]:
+            idx.apply(batch(BlockRemoved(block_hashes=[rng.choice(hashes[name])], medium="GPU")))
+        elif roll < 0.95:
+            idx.apply(batch(AllBlocksCleared()))
+        else:  # the replica leaves and a new one takes its bit
+            idx.unshare()
+            holders.release(name)
+            idxs[name] = ReplicaBlockIndex(max_blocks=40)
+            idxs[name].reset(complete=True)
+            idxs[name].share(holders, holders.bit(name))
+            hashes[name] = []
+        memo: dict = {}
+        for tokens in rng.sample(prompts, 3):
+            k = keys(tokens)
+            assert [i.leading_shared(k, memo) for i in idxs.values()] == [i.leading(k) for i in idxs.values()]
+    assert any(i.leading(keys(p)) for i in idxs.values() for p in prompts)  # (it matched something)
 
 
 def test_freshness_is_the_age_of_the_last_proof() -> None:

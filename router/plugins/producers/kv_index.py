@@ -56,7 +56,7 @@ Config example::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any, ClassVar
 
@@ -160,6 +160,7 @@ class KVIndex:
         capacities = self._capacity
         reverse = blocks[::-1]
         guesses: list[int] = []  # runs found at earlier candidates (see run_between)
+        matched: dict[int, tuple[Sequence[int], Callable[[int], int]]] = {}  # (leading_shared)
         first, last, n = (blocks[0], blocks[-1], len(blocks)) if blocks else (0, 0, 0)
         for c in candidates:
             name = c.name
@@ -184,7 +185,7 @@ class KVIndex:
             idx = c.kv_events
             if idx is not None and engine_keys is not None and now - idx.as_of <= self.params.max_staleness_s:
                 bs = idx.block_size
-                hit = idx.leading(engine_keys(bs)) * bs if bs and len(idx) else 0
+                hit = idx.leading_shared(engine_keys(bs), matched) * bs if bs and len(idx) else 0
                 if idx.complete:
                     sent = (
                         min(tokens, lru.recent(blocks, now - self.params.pending_s) * bt)
