@@ -22,7 +22,9 @@ those ports on a private network.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -30,6 +32,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -51,10 +54,40 @@ class ReplicaStartError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's ephemeral
+    range. A port the kernel picks (binding port 0) comes from the range it also gives the local
+    ends of outgoing connections: between this call and the server's bind, a connection made
+    meanwhile (a platform starting opens hundreds) could take it, and the server failed with
+    "Address already in use". Ports handed out lately are not handed out again."""
+    low = _ephemeral_low()
+    span = min(16384, low - 1024)
+    for _ in range(256):
+        port = low - 1 - secrets.randbelow(span)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.append(port)
+        return port
+    with socket.socket() as s:  # (that range is full: the kernel's pick, as before)
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_GIVEN: deque[int] = deque(maxlen=256)  # ports free_port handed out lately
+
+
+@functools.cache
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux; 32768, its default, elsewhere)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > 4096 else 32768
 
 
 class ReplicaProcess:
