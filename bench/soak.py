@@ -422,7 +422,7 @@ async def _bench(
         log(f"capacity: {capacity:.2f} requests/s ({slots} slots)")
 
         # The overload runs the whole ``seconds``; the phases beside it at most two minutes.
-        short = min(seconds, ABUSE_S)
+        short = _short_phase(seconds)
         phases = []
         for name, url, proc, factor, secs in (
             ("1 x capacity", gw.url, gw, 1.0, short),
@@ -498,10 +498,15 @@ async def _bench(
     }
 
 
+def _short_phase(seconds: float) -> float:
+    """How long each phase beside the overload (and the abuse) runs in a run of ``seconds``."""
+    return min(seconds, ABUSE_S)
+
+
 def _deadlines(seconds: float) -> tuple[float, float]:
     """The gateway's head and body deadlines: its defaults (10 s, 20 s), or a third of a shorter
     abuse phase, so that a quick run sees the slow clients cut too."""
-    short = min(seconds, ABUSE_S)
+    short = _short_phase(seconds)
     return min(10.0, short / 3), min(20.0, short / 3)
 
 
