@@ -97,25 +97,23 @@ def _pool(ids: list[int], bs: int, n: int, candidates: int = 8) -> list[ReplicaB
         idx = ReplicaBlockIndex()
         idx.reset(complete=True)
         idx.share(holders, holders.bit(f"r{i}"))
-        idx.apply(
-            KVEventBatch(
-                0.0,
-                [
-                    BlockStored(
-                        block_hashes=list(range(1, held + 1)),
-                        parent_block_hash=None,
-                        token_ids=ids[: held * bs],
-                        block_size=bs,
-                        lora_id=None,
-                        medium="GPU",
-                        lora_name=None,
-                    )
-                ],
-                0,
-            )
-        )
+        idx.apply(_stored(ids, bs, held))
         pool.append(idx)
     return pool
+
+
+def _stored(ids: list[int], bs: int, n: int) -> KVEventBatch:
+    """One batch storing the first ``n`` blocks of ``ids`` (block hashes 1 to ``n``)."""
+    event = BlockStored(
+        block_hashes=list(range(1, n + 1)),
+        parent_block_hash=None,
+        token_ids=ids[: n * bs],
+        block_size=bs,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    return KVEventBatch(0.0, [event], 0)
 
 
 def _match_shared(pool: list[ReplicaBlockIndex], keys: tuple[int, ...]) -> list[int]:
@@ -165,16 +163,7 @@ def run(quick: bool, out_dir: Path, tokenizer: str | None = None) -> list[dict[s
                 keys = chain_keys(ids, bs, limit=n)
                 idx = ReplicaBlockIndex()
                 idx.reset(complete=True)
-                event = BlockStored(
-                    block_hashes=list(range(1, n + 1)),
-                    parent_block_hash=None,
-                    token_ids=ids[: n * bs],
-                    block_size=bs,
-                    lora_id=None,
-                    medium="GPU",
-                    lora_name=None,
-                )
-                batch = KVEventBatch(0.0, [event], 0)
+                batch = _stored(ids, bs, n)
                 idx.apply(batch)
                 assert idx.leading(keys) == n
                 pool = _pool(ids, bs, n)
