@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 import yaml
 
-from tests.api.harness import DEV_KEY, fleet_dict, run_gateway, running as running_process
+from tests.api.harness import DEV_KEY, Gateway, fleet_dict, run_gateway, running as running_process
 from tidal.api.protocol import CUT_REASONS, CUTS, RequestBounds, bounded_protocol
 from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process
 from tidal.replicas.wire.prom import parse_samples
@@ -156,11 +156,6 @@ def _cuts(**expected: int) -> Iterator[None]:
     yield
     got = {r: CUTS[r] - before.get(r, 0) for r in CUT_REASONS}
     assert got == {r: expected.get(r, 0) for r in CUT_REASONS}
-
-
-def _gateway_cuts(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {s.labels["reason"]: s.value for s in parse_samples(text, {"tidal_gateway_connections_cut_total"})}
 
 
 def test_a_head_over_the_bound_is_answered_431_and_closed(port: int) -> None:
@@ -328,7 +323,8 @@ def test_the_gateway_serves_with_the_fleet_files_bounds(tmp_path: Path) -> None:
             _trickle(s, 1000, 1, 0.1)
             assert _read_all(s).startswith(b"HTTP/1.1 408 ")
             assert 0.9 <= time.monotonic() - t0 < 4.0
-        cuts = _gateway_cuts(f"http://127.0.0.1:{gw_port}")
+        gw = Gateway(proc, f"http://127.0.0.1:{gw_port}")
+        cuts = {labels["reason"]: v for labels, v in gw.samples("tidal_gateway_connections_cut_total")}
         assert cuts == {
             "head_too_large": 1,
             "head_timeout": 1,
@@ -400,4 +396,4 @@ def test_the_gateway_cuts_a_stream_nobody_reads_and_frees_its_replica(tmp_path: 
                     got += chunk
         assert b"data: [DONE]" not in got and got.count(b"data: {") < 8 * 8000
         assert cut_after >= 1.0  # not before the send deadline
-        assert _gateway_cuts(gw.url)["send_timeout"] == 1
+        assert gw.metric("tidal_gateway_connections_cut_total", reason="send_timeout") == 1
