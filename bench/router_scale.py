@@ -22,8 +22,9 @@ How, per pool size, in virtual time (a :class:`~tidal.clock.ManualClock`, 1 ms p
 * before timing, the indexes are filled (each distinct producer of the chosen profiles, through
   its own ``produce`` / ``after_pick``) with distinct old conversations spread over the previous
   10 virtual minutes, up to ``--fill`` blocks per replica (default: the capacity), or until the
-  process's RSS reaches ``--max-rss-gb`` (8): ``blocks_per_replica`` is the fill reached,
-  ``blocks_target`` the capacity;
+  process's RSS reaches ``--max-rss-gb`` (16: the ``tidal`` profile's indexes fill 2,048
+  replicas in about 12 GB; the anchors' per-block ones stop short): ``blocks_per_replica`` is
+  the fill reached (in 16-token blocks), ``blocks_target`` the capacity;
 * the gateway calls ``gc.freeze()`` once at start, before traffic fills its indexes, so they
   stay in the collector's sight; here too by default (``--freeze start``). ``--freeze filled``
   freezes after the fill instead, which hides them. After the fill one ``gc.collect()`` clears
@@ -478,7 +479,7 @@ def run(
     profiles: str | None = None,
     decisions: str | int | None = None,
     fill: str | int | None = None,
-    max_rss_gb: str | float = 8.0,
+    max_rss_gb: str | float = 16.0,
     freeze: str = "start",
     seed: str | int = 0,
     isolate: str | bool = True,

@@ -66,7 +66,9 @@ def test_a_fill_the_memory_guard_stops_leaves_the_replicas_as_spread_as_a_whole_
         return sorted(len(lru) for lru in index._lru.values())
 
     whole, part = filled(None), filled(8)  # (the guard is read every 64th replica: 8 rounds)
-    assert 3_500 <= whole[0] < whole[-1] <= 4_000 and whole[-1] - whole[0] > 300
+    # A key per 2 blocks: 3,500 to 4,000 blocks, less up to one key per fill call (an odd
+    # call's last block leaves none; 16 rounds of at most 256 blocks).
+    assert 3_500 // 2 - 16 <= whole[0] < whole[-1] <= 4_000 // 2 and whole[-1] - whole[0] > 300 // 2
     assert 0.4 * whole[-1] < part[-1] < 0.8 * whole[-1]
     assert part[-1] - part[0] > 0.05 * part[-1]
 

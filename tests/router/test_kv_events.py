@@ -256,6 +256,11 @@ def request(tokens: list[int] = PROMPT, blocks: tuple[int, ...] = ()) -> RouteRe
     )
 
 
+def per_block() -> KVIndex:
+    """A kv-index whose estimate keeps every block (these prompts are a few 4-token blocks)."""
+    return KVIndex.from_config("kv-index", {"index_tokens": BS})
+
+
 def cached(
     producer: KVIndex, req: RouteRequest, vs: list[ReplicaView], now: float
 ) -> tuple[dict[str, int], str]:
@@ -280,7 +285,7 @@ def test_a_fresh_index_is_used_and_a_stale_one_never() -> None:
 def test_the_estimate_still_covers_a_fresh_index_for_what_was_just_sent_there() -> None:
     idx = index()  # knows the replica holds nothing yet
     idx.synced(0.0)
-    producer = KVIndex()
+    producer = per_block()
     vs = [view("a", idx)]
     req = request(blocks=(1, 2, 3))
     s = CycleState(req, 0.0, random.Random(0))
@@ -296,7 +301,7 @@ def test_an_incomplete_index_is_a_floor_under_the_estimate() -> None:
     idx.reset(complete=False)  # joined late: holds a subset of the engine's blocks
     idx.apply(batch(stored([11], None, PROMPT[:4])))
     idx.synced(0.0)
-    producer = KVIndex()
+    producer = per_block()
     vs = [view("a", idx)]
     req = request(blocks=(1, 2, 3))
     assert cached(producer, req, vs, now=0.0) == ({"a": BS}, "exact")

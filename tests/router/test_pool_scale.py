@@ -198,11 +198,12 @@ def test_at_pool_scale_a_prompt_goes_where_the_events_say_its_prefix_is() -> Non
 def test_the_replica_with_room_is_the_least_loaded_candidate_without_a_tail(
     full: set[int], busy: list[int], excluded: set[int]
 ) -> None:
-    # Given a pool of 100 replicas whose kv-index caches hold 4 blocks, some of them full,
+    # Given a pool of 100 replicas whose kv-index caches hold 4 blocks (a key per block), some
+    # of them full,
     clock = ManualClock(1.0)
     registry = ReplicaRegistry.from_fleet(bench_fleet(100), clock)
     states = registry.in_pool(rs.POOL)
-    kv = KVIndex(params=KVParams(max_blocks_per_replica=4))
+    kv = KVIndex(params=KVParams(max_blocks_per_replica=4, index_tokens=16))
     pool = registry.views(rs.POOL)
     for i in sorted(full):
         request = RouteRequest("m", prefix_blocks=(i, 1000 + i, 2000 + i, 3000 + i, 4000 + i))
@@ -260,7 +261,7 @@ def test_a_replica_that_leaves_is_forgotten_by_every_index() -> None:
     registry = ReplicaRegistry.from_fleet(fleet, clock)
     router = build_router(fleet.router, clock=clock, seed=0)
     kv = next(p for p in router.profiles["tidal"].producers if isinstance(p, KVIndex))
-    kv.params = KVParams(max_blocks_per_replica=500)
+    kv.params = KVParams(max_blocks_per_replica=250)  # (keys of 32 tokens: 500 chat blocks)
     for request in rs._requests(bench_fleet(1), 240, 0):
         clock.advance(0.01)
         for profile in ("tidal", "llm_d", "sglang_cache_aware"):

@@ -91,6 +91,32 @@ def test_index_counts_cached_tokens_and_forgets_a_chain_tail_first() -> None:
     assert s.get(TAIL_AGE) == {"s": 2.0}  # full: its oldest block (2) was last used at t=1
 
 
+def chat(*blocks: int) -> RouteRequest:
+    """A prompt of 16-token blocks, as the gateway hashes chat text."""
+    return RouteRequest("m", prefix_blocks=blocks, block_tokens=16, prompt_tokens=16 * len(blocks))
+
+
+def test_chat_blocks_are_kept_one_key_per_32_tokens() -> None:
+    # Given a replica sent a prompt of 15 chat blocks (240 tokens): keys at blocks 2, 4, ... 14,
+    idx = KVIndex()
+    vs = views()
+    sent = chat(*range(1, 16))
+    idx.after_pick(sent, vs[0], st(sent))
+    assert len(idx._lru["a"]) == 7
+    # a follow-up sharing its first 9 blocks counts the whole 32-token steps inside them (8
+    # blocks), a repeat the 14 blocks its keys cover, and a prompt under 32 tokens nothing.
+    for prompt, tokens in ((chat(*range(1, 10), 99, 98, 97), 8 * 16), (sent, 14 * 16), (chat(1), 0)):
+        s = st(prompt)
+        idx.produce(prompt, vs, vs, s)
+        assert s.get(CACHED_TOKENS) == {"a": tokens, "b": 0, "c": 0, "d": 0}
+    # A replica's KV size is counted in keys: 128 blocks of 16 tokens hold 64.
+    small = ReplicaView("s", model="m", snapshot=LoadSnapshot(num_gpu_blocks=128, block_size=16))
+    for k in range(3):
+        long = chat(*range(1000 * (k + 1), 1000 * (k + 1) + 64))  # 32 keys each
+        idx.after_pick(long, small, st(long, now=1.0 + k))
+    assert len(idx._lru["s"]) == 64
+
+
 def test_tail_age_is_infinite_while_the_cache_has_room() -> None:
     idx = KVIndex()
     s = st(turn(1))
