@@ -142,7 +142,9 @@ async def _use_adapter(replica: ReplicaClient, name: str) -> None:
         }
     )
     async for _ in stream:
-        snap = await replica.load_snapshot()
+        # (The scraper's 5 s bound is not under test here: the first adapter steps on the CPU
+        # backend can keep vLLM's API server from answering /metrics for longer on 2 cores.)
+        snap = await replica.load_snapshot(timeout=60.0)
         seen |= snap.running_lora_adapters | snap.waiting_lora_adapters
         assert snap.max_lora == 2
         if name in seen:
