@@ -117,6 +117,7 @@ class KVIndex:
     def __init__(self, name: str = KV_INDEX_TYPE, params: Params | None = None) -> None:
         self.name = name
         self.params = params or Params()
+        self._keys_at: StateKey[tuple[tuple[int, ...], int]] = StateKey(f"{KV_INDEX_TYPE}.{name}.keys")
         self._lru: dict[str, ChainLRU] = {}
         self._sent: dict[str, tuple[float, float]] = {}  # moving sums: uncached, prompt tokens
         # The inverted index: level block -> bitmask of the replicas holding it.
@@ -151,12 +152,17 @@ class KVIndex:
                 self._retail(replica.name, lru, cap)
         return cap
 
-    def _keys(self, request: RouteRequest) -> tuple[tuple[int, ...], int]:
+    def _keys(self, request: RouteRequest, state: CycleState) -> tuple[tuple[int, ...], int]:
         """The prompt's keys in this index (every ``step``-th of its blocks: the key of a block
-        names its whole prefix) and the tokens one key stands for."""
-        bt = max(1, request.block_tokens)
-        step = max(1, self.params.index_tokens // bt)
-        return request.prefix_blocks[step - 1 : self.params.max_prefix_blocks : step], bt * step
+        names its whole prefix) and the tokens one key stands for; sliced once per decision
+        (nominate, produce and after_pick all ask)."""
+        keys = state.get(self._keys_at)
+        if keys is None:
+            bt = max(1, request.block_tokens)
+            step = max(1, self.params.index_tokens // bt)
+            keys = request.prefix_blocks[step - 1 : self.params.max_prefix_blocks : step], bt * step
+            state.put(self._keys_at, keys)
+        return keys
 
     def produce(
         self,
@@ -165,7 +171,7 @@ class KVIndex:
         candidates: Sequence[ReplicaView],
         state: CycleState,
     ) -> None:
-        blocks, bt = self._keys(request)
+        blocks, bt = self._keys(request, state)
         tokens = request.prompt_tokens or len(blocks) * bt
         cached: dict[str, int] = {}
         tail_age: dict[str, float] = {}
@@ -226,7 +232,7 @@ class KVIndex:
         state.put(_RUNS, runs)
 
     def after_pick(self, request: RouteRequest, picked: ReplicaView, state: CycleState) -> None:
-        blocks, bt = self._keys(request)
+        blocks, bt = self._keys(request, state)
         tokens = request.prompt_tokens or len(blocks) * bt
         hit = (state.get(CACHED_TOKENS) or {}).get(picked.name, 0)
         keep = 1.0 - 1.0 / self.params.share_window
@@ -305,7 +311,7 @@ class KVIndex:
         holders are more than the places left, the least loaded of them), the candidates whose
         cache tails are oldest (as many) and one candidate with room in its cache."""
         out: list[str] = []
-        blocks, _ = self._keys(request)
+        blocks, _ = self._keys(request, state)
         limit = self.params.nominees
         _deepest(blocks, self._holders, limit, candidates, out)
         exact = self._exact_holders(request, candidates)
