@@ -57,7 +57,8 @@ class _FastRoutes:
 
 
 # Middleware known never to wrap ``send``: with only these, the proxy writes body chunks with the
-# server's own ``send`` (``tidal.send``), past the wrappers that only watch for the response start.
+# server's own ``send`` (``tidal.send``), or its body writer (``tidal.write``,
+# :class:`~api.protocol.BodyWriter`), past the wrappers that only watch for the response start.
 _SEND_TRANSPARENT: tuple[type, ...] = (BodyLimit,)
 
 
@@ -67,8 +68,9 @@ class GatewayApp(FastAPI):
     CORS, tracing, request id) applies to every route, streams included.
 
     When every middleware is one known not to wrap ``send``, the server's own ``send`` goes in
-    the scope (``tidal.send``) and the streaming proxy writes body chunks with it; any other
-    middleware sees every chunk."""
+    the scope (``tidal.send``) and the streaming proxy writes body chunks with it, or with the
+    server protocol's body writer (``tidal.write``) where there is one; with any other middleware
+    the writer is taken out of the scope, and the middleware sees every chunk."""
 
     fast_routes: Mapping[str, InferenceEndpoint] = MappingProxyType({})  # set with the stack
     raw_send = False
@@ -87,6 +89,8 @@ class GatewayApp(FastAPI):
             self.middleware_stack = self.build_middleware_stack()
         if self.raw_send and scope["type"] == "http":
             scope["tidal.send"] = send
+        else:
+            scope.pop("tidal.write", None)  # a middleware that wraps send must see every chunk
         await super().__call__(scope, receive, send)
 
     async def full_stack(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -143,6 +143,7 @@ class InferenceEndpoint:
             await send(message)
 
         response.job.raw_send = scope.get("tidal.send")  # the server's, when no middleware watches
+        response.job.raw_write = scope.get("tidal.write")
         try:
             await response.watched(receive, tracked)
         except asyncio.CancelledError:

@@ -49,13 +49,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-__all__ = ["CUTS", "CUT_REASONS", "BoundedProtocol", "RequestBounds", "bounded_protocol"]
+__all__ = ["CUTS", "CUT_REASONS", "BodyWriter", "BoundedProtocol", "RequestBounds", "bounded_protocol"]
 
 CUT_REASONS = ("head_too_large", "head_timeout", "idle", "body_timeout", "send_timeout")
 CUTS: Counter[str] = Counter()  # connections the bounds ended in this process, by reason
@@ -70,6 +71,29 @@ class RequestBounds:
     body_timeout_s: float = 20.0
     body_min_bytes_per_s: int = 500
     send_timeout_s: float = 60.0
+
+
+class BodyWriter:
+    """``scope["tidal.write"]``: writes a piece of a started, chunked response body at once,
+    without a coroutine -- what the streaming proxy calls from the replica connection's read
+    callback (:meth:`~replicas.wire.http1.LeanResponse.relay`), so that a token costs no task
+    switch. Returns ``None``, or an awaitable when the client's buffers are full (done when they
+    drain). A client that went away swallows the write, as the server's ``send`` does. The
+    response starts and ends through ``send``."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self.cycle = cycle
+
+    def __call__(self, body: bytes) -> Coroutine[Any, Any, None] | None:
+        cycle = self.cycle
+        if cycle.disconnected or not body:
+            return None  # (an empty chunk would end the response)
+        if not cycle.response_started or cycle.response_complete or not cycle.chunked_encoding:
+            raise RuntimeError("tidal.write needs a started, chunked response that has not ended")
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return cycle.flow.drain() if cycle.flow.write_paused else None
 
 
 class _HeadTooLarge(Exception):
@@ -138,6 +162,8 @@ class BoundedProtocol(HttpToolsProtocol):
             self._body_bytes = 0
             self._body_due = self.loop.time() + self.bounds.body_timeout_s
             self._body_timer = self.loop.call_later(self.bounds.body_timeout_s, self._body_timeout)
+        if self.cycle is not None and self.cycle.scope is self.scope:  # (not an upgrade)
+            self.scope["tidal.write"] = BodyWriter(self.cycle)  # type: ignore[typeddict-unknown-key]
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)

@@ -127,6 +127,8 @@ class ProxyJob:
     handle: UpstreamHandle | None = None
     waiter: asyncio.Future[str] | None = None
     raw_send: Send | None = None  # the server's send, past the middleware wrappers
+    # The server's body writer (api.protocol.BodyWriter), past the middleware wrappers.
+    raw_write: Callable[[bytes], Coroutine[Any, Any, None] | None] | None = None
     tenant: str = ""
     completion_tokens: int | None = None  # what the answer generated, once known
     replica: str | None = None  # the upstream of the last attempt
@@ -806,11 +808,22 @@ class Proxy:
         failed = kind == "error"
         if kind == "token":
             raw = job.raw_send or send
+            write = job.raw_write
             feed = watch.feed
             try:
-                async for piece in chunks:
-                    await raw({"type": "http.response.body", "body": piece, "more_body": True})
-                    feed(piece)
+                if write is not None:
+                    # Each piece goes out from the replica connection's read callback: no task
+                    # switch per token.
+
+                    def sink(piece: bytes) -> Coroutine[Any, Any, None] | None:
+                        feed(piece)
+                        return write(piece)
+
+                    await resp.relay(sink)
+                else:
+                    async for piece in chunks:
+                        await raw({"type": "http.response.body", "body": piece, "more_body": True})
+                        feed(piece)
             except ReplicaStreamError:
                 if job.client_gone:
                     return None, False
@@ -876,6 +889,7 @@ class ProxyResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.job.raw_send = scope.get("tidal.send")
+        self.job.raw_write = scope.get("tidal.write")
         await self.watched(receive, send)
 
     async def watched(self, receive: Receive, send: Send) -> None:
@@ -894,17 +908,12 @@ class ProxyResponse(Response):
         status: list[int] = []
         if ACCESS.isEnabledFor(logging.INFO):
             send = _status_into(send, status)
-        # The job runs as a task of its own: a stream resumes once per token, and a resumption
-        # walks every frame that awaits it -- here the server's, each middleware's and the
-        # endpoint's; in its own task, only the proxy's. Cancelling this coroutine cancels the
-        # task it awaits. It starts with the request's id in its context: its log lines name it.
-        token = REQUEST_ID.set(job.request_id)
-        runner = loop.create_task(self._run(job, send))
-        REQUEST_ID.reset(token)
+        token = REQUEST_ID.set(job.request_id)  # its log lines name it
         started = time.monotonic()
         try:
-            await runner
+            await self._run(job, send)
         finally:
+            REQUEST_ID.reset(token)
             watcher.cancel()
             if ACCESS.isEnabledFor(logging.INFO):
                 _access(job, status[0] if status else None, time.monotonic() - started)

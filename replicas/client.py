@@ -17,7 +17,7 @@ gateway's proxy on a leaner connection pool (:mod:`replicas.wire.http1`).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any, Literal, Protocol
@@ -54,6 +54,8 @@ class UpstreamStream(Protocol):
 
     def iter_chunks(self) -> AsyncIterator[bytes]: ...
 
+    async def relay(self, sink: Callable[[bytes], Awaitable[None] | None]) -> None: ...
+
     async def read(self) -> bytes: ...
 
     def abort(self) -> None: ...
@@ -75,6 +77,14 @@ class UpstreamResponse:
                 yield data
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             raise ReplicaStreamError(f"stream from replica broke: {exc!r}", replica=self.replica) from exc
+
+    async def relay(self, sink: Callable[[bytes], Awaitable[None] | None]) -> None:
+        """Hand the body to ``sink`` as it arrives (see
+        :meth:`~replicas.wire.http1.LeanResponse.relay`; here a task switch per piece)."""
+        async for piece in self.iter_chunks():
+            blocked = sink(piece)
+            if blocked is not None:
+                await blocked
 
     def abort(self) -> None:
         """Close the connection now: a reader of :meth:`iter_chunks` gets a

@@ -42,10 +42,11 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import inspect
 import re
 import select
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import cast
 from urllib.parse import urlsplit
@@ -96,6 +97,8 @@ class _Connection(asyncio.Protocol):
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.refused: Exception | None = None  # why a callback stopped the parser
+        self.sink: Callable[[bytes], Awaitable[None] | None] | None = None  # see LeanResponse.relay
+        self.blocked: Awaitable[None] | None = None  # the sink is full until this is done
 
     def _refuse(self, exc: Exception) -> Exception:
         """``exc``, kept: httptools reports a callback's exception only as "callback error"."""
@@ -117,6 +120,8 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self.fail(self.refused or exc)
             self.close()
+        if self.sink is not None and self.chunks:
+            self._deliver(self.sink)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -161,12 +166,16 @@ class _Connection(asyncio.Protocol):
         if self.head:
             self.complete = True
             self.keep_alive = False
-        self._wake()
+            self._wake()
+        # Else the request waits on for the body's first piece (or its end): a stream's headers
+        # come ahead of its first token, and waking for them alone costs a turn of the loop.
 
     def on_body(self, body: bytes) -> None:
         if self.complete:
             raise self._refuse(_Stray("a body after the response ended"))
         self.chunks.append(body)
+        if self.sink is not None:
+            return  # delivered once the read is parsed, without waking the reader
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
@@ -218,6 +227,8 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.complete = False
         self.error = None
+        self.sink = None
+        self.blocked = None
         self.transport.write(data)
 
     def pending(self) -> bool:
@@ -241,6 +252,25 @@ class _Connection(asyncio.Protocol):
             self.paused = False
             self.transport.resume_reading()
         return data
+
+    def _deliver(self, sink: Callable[[bytes], Awaitable[None] | None]) -> None:
+        """Hand what one read brought to ``sink``; reading pauses while the sink is full."""
+        chunks = self.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self.chunks = []
+        self.wait_started = self.loop.time()  # the read timeout counts from the latest piece
+        try:
+            blocked = sink(data)
+        except Exception as exc:  # the reader raises it
+            self.fail(exc)
+            self.close()
+            return
+        if blocked is not None:
+            self.blocked = blocked
+            if not self.paused and self.transport is not None:
+                self.paused = True
+                self.transport.pause_reading()
+            self._wake()
 
     async def wait(self, timeout: float | None) -> None:
         """Until the parser reports progress, the connection fails, or ``timeout`` passes.
@@ -299,6 +329,41 @@ class LeanResponse:
                 raise ReplicaStreamError(f"stream from replica broke: {conn.error!r}", replica=self.replica)
             else:
                 await conn.wait(self._read_timeout)
+
+    async def relay(self, sink: Callable[[bytes], Awaitable[None] | None]) -> None:
+        """Hand the body to ``sink`` as it arrives, until it ends.
+
+        ``sink`` is called from the connection's own read callback, once per network read, so a
+        token stream costs no task switch per token; it must not raise (what it raises fails
+        the relay and closes the connection). It returns ``None``, or an awaitable when its
+        consumer is full: reading pauses until that is done (TCP back-pressure reaches the
+        replica). Ends and fails as :meth:`iter_chunks` does; ``read_timeout`` bounds the wait
+        for each piece."""
+        conn = self._conn
+        conn.sink = sink
+        try:
+            while True:
+                if conn.chunks:
+                    conn._deliver(sink)
+                elif conn.blocked is not None:
+                    blocked, conn.blocked = conn.blocked, None
+                    await blocked
+                    if conn.paused and conn.transport is not None:
+                        conn.paused = False
+                        conn.transport.resume_reading()
+                elif conn.complete:
+                    return
+                elif conn.error is not None:
+                    raise ReplicaStreamError(
+                        f"stream from replica broke: {conn.error!r}", replica=self.replica
+                    )
+                else:
+                    await conn.wait(self._read_timeout)
+        finally:
+            conn.sink = None
+            pending, conn.blocked = conn.blocked, None
+            if inspect.iscoroutine(pending):
+                pending.close()  # never awaited: the relay ended first
 
     async def read(self) -> bytes:
         """The whole body, at most ``max_body_bytes`` of it (more aborts the response and raises
@@ -422,8 +487,8 @@ class ConnectionPool:
         try:
             conn, reused = await self._connect()
             conn.send(data, is_head)
-            while not conn.headers_done:
-                if conn.error is not None:
+            while not (conn.headers_done and (conn.chunks or conn.complete or conn.error is not None)):
+                if conn.error is not None and not conn.headers_done:
                     if reused and conn.received == 0 and not isinstance(conn.error, TimeoutError):
                         # The replica closed the idle connection as the request went out: no
                         # byte of an answer came, so the request goes once more, on a new one.

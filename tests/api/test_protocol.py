@@ -38,11 +38,14 @@ LATE_S = 1.5  # how long ``/late`` waits before reading its body
 SEND_TIMEOUT_S = 0.6
 MIB = 1 << 20
 _sent: dict[str, float] = {}  # ``/big?n`` -> when the application's last send returned
+_wrote: list[str] = []  # what ``/write``'s calls of ``tidal.write`` returned
 
 
 async def _app(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[type-arg]
     """``/stream?n``: n pieces 0.1 s apart; ``/big?n``: n MiB at once (when its sends returned is
-    kept in ``_sent``); ``/late``: reads its body after ``LATE_S``; anything else: ``ok`` (a
+    kept in ``_sent``); ``/write``: ``a``, an empty piece and ``bc`` through ``tidal.write`` (what
+    its calls returned is kept in ``_wrote``); ``/late``: reads its body after ``LATE_S``; anything
+    else: ``ok`` (a
     request's body is read first; its length leads the answer)."""
     if scope["type"] != "http":
         return
@@ -54,7 +57,14 @@ async def _app(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[ty
         if message["type"] == "http.disconnect":
             return
         size, more = size + len(message.get("body", b"")), message.get("more_body", False)
+    write = scope.get("tidal.write")
+    if scope["path"] == "/write":  # (before the response starts, the writer refuses)
+        with contextlib.suppress(RuntimeError):
+            write(b"early")
+            _wrote.append("early")
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    if scope["path"] == "/write":
+        _wrote.extend(repr(write(piece)) for piece in (b"a", b"", b"bc"))
     if scope["path"] == "/stream":
         for _ in range(int(scope["query_string"] or 1)):
             await send({"type": "http.response.body", "body": b"x", "more_body": True})
@@ -219,6 +229,18 @@ def test_kept_alive_connections_long_streams_and_pipelined_requests_are_served(p
         time.sleep(0.05)
         s.sendall(b"st: gw\r\n\r\n")
         assert _response(s).startswith(b"HTTP/1.1 200 ")
+
+
+def test_the_body_writer_writes_chunks_of_its_own_started_response(port: int) -> None:
+    _wrote.clear()
+    with _cuts(), _connect(port) as s:
+        s.sendall(_get("/write") + _get("/write"))  # pipelined: each writer writes its own
+        for _ in range(2):
+            answer = _response(s)
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            # An empty piece is no chunk (it would end the response); the response ends as sent.
+            assert answer.endswith(b"\r\n\r\n1\r\na\r\n2\r\nbc\r\n2\r\n" + _END)
+    assert _wrote == ["None"] * 6  # the writes returned nothing to wait for; the early one raised
 
 
 def test_a_body_that_trickles_is_answered_408_and_closed(port: int) -> None:

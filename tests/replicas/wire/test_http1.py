@@ -203,6 +203,128 @@ async def test_an_unread_body_stops_reading_above_the_high_water_mark() -> None:
         await pool.close()
 
 
+async def test_relay_hands_each_read_to_the_sink_from_the_connection_itself() -> None:
+    async with _serve(_stream) as (url, server):
+        pool = ConnectionPool(url)
+        for _ in range(2):
+            pieces: list[bytes] = []
+            in_task: list[bool] = []
+
+            def sink(piece: bytes, pieces: list[bytes] = pieces, in_task: list[bool] = in_task) -> None:
+                pieces.append(piece)
+                in_task.append(asyncio.current_task() is not None)
+
+            async with pool.request("POST", "/?n=5&gap=0.02", b"") as resp:
+                await resp.relay(sink)
+            assert b"".join(pieces) == b"".join(f"data: {i}\n\n".encode() for i in range(5))
+            assert len(pieces) >= 3  # as the pieces arrive, not at the end
+            # From the read callback, not from a task woken for each piece (the first piece may
+            # have come with the response, before the relay began).
+            assert not any(in_task[1:])
+        assert len(server.peers) == 1  # the connection is reused after a relayed body
+        await pool.close()
+
+
+async def test_relay_pauses_reading_while_the_sink_is_full() -> None:
+    async def flood(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for _ in range(64):  # 4 MiB, in pieces the pool takes one by one
+            await resp.write(b"x" * 65536)
+            await asyncio.sleep(0.002)
+        await resp.write_eof()
+        return resp
+
+    async with _serve(flood) as (url, _):
+        pool = ConnectionPool(url)
+        drained: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        got: list[int] = []
+
+        def sink(piece: bytes) -> asyncio.Future[None] | None:
+            got.append(len(piece))
+            return None if drained.done() else drained  # full until ``drained`` is set
+
+        async with pool.request("POST", "/", b"") as resp:
+            relay = asyncio.create_task(resp.relay(sink))
+            await asyncio.sleep(0.5)  # the server writes as fast as it can; the sink is full
+            assert resp._conn.paused and len(got) == 1 and not relay.done()  # one piece, then none
+            drained.set_result(None)
+            await relay
+        assert sum(got) == 64 * 65536
+        await pool.close()
+
+
+async def test_relay_fails_like_iter_chunks_on_a_stall_a_break_an_abort_or_a_sink_that_raises() -> None:
+    async with _serve(_stream) as (url, server):
+        pool = ConnectionPool(url, read_timeout=0.2)
+        got: list[bytes] = []
+        # The read timeout bounds each wait for a piece, not the stream.
+        async with pool.request("POST", "/?n=10&gap=0.1", b"") as resp:
+            await resp.relay(got.append)
+        assert b"".join(got).count(b"data: ") == 10
+        with pytest.raises(ReplicaStreamError, match="TimeoutError"):
+            async with pool.request("POST", "/?n=3&gap=1", b"") as resp:
+                await resp.relay(got.append)
+
+        def boom(piece: bytes) -> None:
+            raise ValueError("the sink broke")
+
+        with pytest.raises(ReplicaStreamError, match="the sink broke"):
+            async with pool.request("POST", "/?n=50&gap=0.02", b"") as resp:
+                await resp.relay(boom)
+
+        def abort(piece: bytes) -> None:
+            resp.abort()
+
+        with pytest.raises(ReplicaStreamError):
+            async with pool.request("POST", "/?n=100&gap=0.02", b"") as resp:
+                await resp.relay(abort)
+        for _ in range(100):
+            if server.disconnects >= 2:
+                break
+            await asyncio.sleep(0.02)
+        assert server.disconnects == 2  # the sink that raised and the abort closed theirs
+        await pool.close()
+
+    async def breaks(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"data: 0\n\n")
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    async with _serve(breaks) as (url, _):
+        got = []
+        with pytest.raises(ReplicaStreamError):
+            async with ConnectionPool(url).request("POST", "/", b"") as resp:
+                await resp.relay(got.append)
+        assert b"".join(got) == b"data: 0\n\n"
+
+
+async def test_a_response_is_handed_over_with_its_first_piece_not_with_its_headers() -> None:
+    async def late(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)  # the headers go now
+        await asyncio.sleep(0.3)
+        await resp.write(b"data: 0\n\n")
+        await resp.write_eof()
+        return resp
+
+    async with _serve(late) as (url, _):
+        pool = ConnectionPool(url)
+        started = asyncio.get_running_loop().time()
+        async with pool.request("POST", "/", b"") as resp:
+            waited = asyncio.get_running_loop().time() - started
+            assert resp.status == 200 and resp._conn.chunks  # one wake-up, for both
+            assert await resp.read() == b"data: 0\n\n"
+        assert waited >= 0.25
+        # An empty body ends at once.
+        async with pool.request("HEAD", "/", b"") as resp:
+            assert await resp.read() == b""
+        await pool.close()
+
+
 async def test_requests_cannot_be_split_by_injected_line_breaks() -> None:
     pool = ConnectionPool("http://127.0.0.1:9")
     with pytest.raises(ValueError):
