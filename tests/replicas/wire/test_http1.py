@@ -76,6 +76,16 @@ async def _stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def _breaks(request: web.Request) -> web.StreamResponse:
+    """One event, then the connection closes under the stream."""
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    await resp.write(b"data: 0\n\n")
+    assert request.transport is not None
+    request.transport.close()
+    return resp
+
+
 async def test_streams_reuse_connections_and_pass_headers() -> None:
     async with _serve(_stream) as (url, server):
         pool = ConnectionPool(url + "/base", headers={"Authorization": "Bearer k"})
@@ -129,15 +139,7 @@ async def test_a_stalled_or_broken_stream_raises_a_stream_error() -> None:
                 async for _ in resp.iter_chunks():
                     pass
 
-    async def breaks(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse()
-        await resp.prepare(request)
-        await resp.write(b"data: 0\n\n")
-        assert request.transport is not None
-        request.transport.close()
-        return resp
-
-    async with _serve(breaks) as (url, _):
+    async with _serve(_breaks) as (url, _):
         got: list[bytes] = []
         with pytest.raises(ReplicaStreamError):
             async with ConnectionPool(url).request("POST", "/", b"") as resp:
@@ -286,15 +288,7 @@ async def test_relay_fails_like_iter_chunks_on_a_stall_a_break_an_abort_or_a_sin
         assert server.disconnects == 2  # the sink that raised and the abort closed theirs
         await pool.close()
 
-    async def breaks(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse()
-        await resp.prepare(request)
-        await resp.write(b"data: 0\n\n")
-        assert request.transport is not None
-        request.transport.close()
-        return resp
-
-    async with _serve(breaks) as (url, _):
+    async with _serve(_breaks) as (url, _):
         got = []
         with pytest.raises(ReplicaStreamError):
             async with ConnectionPool(url).request("POST", "/", b"") as resp:
