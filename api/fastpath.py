@@ -142,8 +142,7 @@ class InferenceEndpoint:
                 started = True
             await send(message)
 
-        response.job.raw_send = scope.get("tidal.send")  # the server's, when no middleware watches
-        response.job.raw_write = scope.get("tidal.write")
+        response.bind(scope)
         try:
             await response.watched(receive, tracked)
         except asyncio.CancelledError:

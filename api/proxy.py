@@ -888,9 +888,14 @@ class ProxyResponse(Response):
         self.init_headers({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.bind(scope)
+        await self.watched(receive, send)
+
+    def bind(self, scope: Scope) -> None:
+        """Take the server's own ``send`` and body writer from ``scope``, where no middleware
+        watches the chunks (:class:`~api.app.GatewayApp` puts them there)."""
         self.job.raw_send = scope.get("tidal.send")
         self.job.raw_write = scope.get("tidal.write")
-        await self.watched(receive, send)
 
     async def watched(self, receive: Receive, send: Send) -> None:
         """Run the job, marking it disconnected when ``receive`` says the client went away."""

@@ -177,9 +177,8 @@ class _Connection(asyncio.Protocol):
         if self.sink is not None:
             return  # delivered once the read is parsed, without waking the reader
         self.buffered += len(body)
-        if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
+        if self.buffered > _HIGH_WATER:
+            self.pause_reading()
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -231,6 +230,11 @@ class _Connection(asyncio.Protocol):
         self.blocked = None
         self.transport.write(data)
 
+    def answered(self) -> bool:
+        """Whether the response is there to hand over: its headers and the body's first piece
+        (or its end, or a failure after the headers)."""
+        return self.headers_done and bool(self.chunks or self.complete or self.error is not None)
+
     def pending(self) -> bool:
         """Whether the socket has bytes or an EOF waiting (an idle connection must have none)."""
         if self.closed or self.transport is None:
@@ -248,16 +252,23 @@ class _Connection(asyncio.Protocol):
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.chunks = []
         self.buffered = 0
+        self.resume_reading()
+        return data
+
+    def pause_reading(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
         if self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
-        return data
 
     def _deliver(self, sink: Callable[[bytes], Awaitable[None] | None]) -> None:
-        """Hand what one read brought to ``sink``; reading pauses while the sink is full."""
-        chunks = self.chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self.chunks = []
+        """Hand what one read brought (or what was buffered before the relay began) to
+        ``sink``; reading pauses while the sink is full."""
+        data = self.take()
         self.wait_started = self.loop.time()  # the read timeout counts from the latest piece
         try:
             blocked = sink(data)
@@ -267,9 +278,7 @@ class _Connection(asyncio.Protocol):
             return
         if blocked is not None:
             self.blocked = blocked
-            if not self.paused and self.transport is not None:
-                self.paused = True
-                self.transport.pause_reading()
+            self.pause_reading()
             self._wake()
 
     async def wait(self, timeout: float | None) -> None:
@@ -348,9 +357,7 @@ class LeanResponse:
                 elif conn.blocked is not None:
                     blocked, conn.blocked = conn.blocked, None
                     await blocked
-                    if conn.paused and conn.transport is not None:
-                        conn.paused = False
-                        conn.transport.resume_reading()
+                    conn.resume_reading()
                 elif conn.complete:
                     return
                 elif conn.error is not None:
@@ -487,7 +494,7 @@ class ConnectionPool:
         try:
             conn, reused = await self._connect()
             conn.send(data, is_head)
-            while not (conn.headers_done and (conn.chunks or conn.complete or conn.error is not None)):
+            while not conn.answered():
                 if conn.error is not None and not conn.headers_done:
                     if reused and conn.received == 0 and not isinstance(conn.error, TimeoutError):
                         # The replica closed the idle connection as the request went out: no

@@ -253,6 +253,13 @@ async def test_relay_pauses_reading_while_the_sink_is_full() -> None:
             drained.set_result(None)
             await relay
         assert sum(got) == 64 * 65536
+        # A relay that begins after the unread body stopped the reading resumes it.
+        async with pool.request("POST", "/", b"") as resp:
+            await asyncio.sleep(0.5)
+            assert resp._conn.paused
+            got.clear()
+            await asyncio.wait_for(resp.relay(lambda piece: got.append(len(piece))), 10)
+        assert sum(got) == 64 * 65536
         await pool.close()
 
 
