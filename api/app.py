@@ -87,11 +87,17 @@ class GatewayApp(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.middleware_stack is None:
             self.middleware_stack = self.build_middleware_stack()
-        if self.raw_send and scope["type"] == "http":
-            scope["tidal.send"] = send
-        else:
+        if not (self.raw_send and scope["type"] == "http"):
             scope.pop("tidal.write", None)  # a middleware that wraps send must see every chunk
-        await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send)
+            return
+        scope["tidal.send"] = send
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # (the server's send holds its cycle, which holds the scope: left there, the three
+            # would wait for the garbage collector instead of going with the request)
+            scope.pop("tidal.send", None)
 
     async def full_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The application with the inference routes served by FastAPI's own routes (what the

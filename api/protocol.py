@@ -48,6 +48,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -79,16 +80,20 @@ class BodyWriter:
     callback (:meth:`~replicas.wire.http1.LeanResponse.relay`), so that a token costs no task
     switch. Returns ``None``, or an awaitable when the client's buffers are full (done when they
     drain). A client that went away swallows the write, as the server's ``send`` does. The
-    response starts and ends through ``send``."""
+    response starts and ends through ``send``.
 
-    __slots__ = ("cycle",)
+    The writer is in the cycle's scope, so it holds the cycle weakly: a reference cycle would
+    leave every request's scope and server cycle to the garbage collector (whose passes
+    stall a busy gateway's loop) instead of freeing them when the request ends."""
+
+    __slots__ = ("_cycle",)
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
-        self.cycle = cycle
+        self._cycle = weakref.ref(cycle)
 
     def __call__(self, body: bytes) -> Coroutine[Any, Any, None] | None:
-        cycle = self.cycle
-        if cycle.disconnected or not body:
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected or not body:
             return None  # (an empty chunk would end the response)
         if not cycle.response_started or cycle.response_complete or not cycle.chunked_encoding:
             raise RuntimeError("tidal.write needs a started, chunked response that has not ended")

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -20,9 +21,12 @@ from typing import Any, TypeVar
 
 import aiohttp
 import httpx
+import uvicorn
 import yaml
 from aiohttp import web
+from starlette.types import ASGIApp
 
+from tidal.api.protocol import RequestBounds, bounded_protocol
 from tidal.fleet import hash_api_key
 from tidal.replicas.launcher import ReplicaProcess, free_port
 from tidal.replicas.wire.prom import parse_samples
@@ -38,6 +42,7 @@ __all__ = [
     "fleet_dict",
     "play_until",
     "run_gateway",
+    "serve_asgi",
     "session_for",
 ]
 
@@ -253,6 +258,34 @@ class ThreadedServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(10)
+
+
+@contextlib.contextmanager
+def serve_asgi(app: ASGIApp, bounds: RequestBounds, *, lifespan: str = "off") -> Iterator[int]:
+    """``app`` served by uvicorn with the gateway's server protocol, from a thread of this process
+    (so a test can look inside it); yields the port."""
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        loop="asyncio",
+        http=bounded_protocol(bounds),
+        log_level="warning",
+        lifespan=lifespan,  # type: ignore[arg-type]
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 @dataclass

@@ -14,6 +14,7 @@ bytes; each answer repeats its request's marker, so an answer that reached anoth
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import re
 import threading
@@ -27,10 +28,20 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from tests.api.harness import ADMIN_KEY, DEV_KEY, Gateway, fleet_dict, run_gateway, with_embedding_pool
+from tests.api.harness import (
+    ADMIN_KEY,
+    DEV_KEY,
+    Gateway,
+    fleet_dict,
+    run_gateway,
+    serve_asgi,
+    with_embedding_pool,
+)
 from tidal.api.app import create_app
 from tidal.api.auth import KeyStore, Principal
+from tidal.api.protocol import RequestBounds
 from tidal.fleet import FleetConfig
 from tidal.settings import Settings
 
@@ -336,6 +347,36 @@ def test_middleware_the_gateway_adds_applies_to_streams() -> None:
         assert resp.headers["access-control-allow-origin"] == "https://app.example"
         assert text.count("data: ") >= 6 and "[DONE]" in text
         assert _Stamp.chunks >= 4  # the tokens come 250 ms apart, each through the middleware
+
+
+def test_a_finished_request_leaves_nothing_to_the_garbage_collector() -> None:
+    """A request's scope, server cycle and body writer go as it ends, by reference counting: a
+    reference cycle among them (the scope holding the server's ``send`` or body writer, which hold
+    the cycle, which holds the scope) left every request to the collector, whose passes over a
+    busy gateway's in-flight requests stall its loop. Served in this process, with the
+    collector off, so what a cycle keeps stays countable."""
+    with QuirkyReplica() as replica:
+        fleet = FleetConfig.model_validate(fleet_dict([replica.url]))
+        keys = KeyStore()
+        keys.add_key(DEV_KEY, Principal("dev", frozenset({"*"})))
+        app = create_app(fleet, Settings(_env_file=None), keys=keys)
+        with serve_asgi(app, RequestBounds(), lifespan="on") as port, httpx.Client(timeout=30) as client:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "a b c"}], "stream": True}
+            headers = {"Authorization": f"Bearer {DEV_KEY}"}
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            client.post(url, json=body, headers=headers).read()  # (the connection, and lazy state)
+            gc.collect()
+            gc.disable()
+            try:
+                for _ in range(10):  # on one kept-alive connection
+                    with client.stream("POST", url, json=body, headers=headers) as resp:
+                        assert resp.status_code == 200
+                        assert "[DONE]" in resp.read().decode()
+                time.sleep(0.2)  # (the last request's task ends after its last byte)
+                left = sum(isinstance(o, RequestResponseCycle) for o in gc.get_objects())
+            finally:
+                gc.enable()
+    assert left <= 1, f"{left} server cycles outlived their requests"  # (the connection keeps its last)
 
 
 def test_the_upstream_status_is_passed_through(gateway: tuple[Gateway, QuirkyReplica]) -> None:

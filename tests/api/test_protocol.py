@@ -22,11 +22,17 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 import yaml
 
-from tests.api.harness import DEV_KEY, Gateway, fleet_dict, run_gateway, running as running_process
-from tidal.api.protocol import CUT_REASONS, CUTS, RequestBounds, bounded_protocol
+from tests.api.harness import (
+    DEV_KEY,
+    Gateway,
+    fleet_dict,
+    run_gateway,
+    running as running_process,
+    serve_asgi,
+)
+from tidal.api.protocol import CUT_REASONS, CUTS, RequestBounds
 from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process
 from tidal.replicas.wire.prom import parse_samples
 
@@ -79,30 +85,8 @@ async def _app(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[ty
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-@contextlib.contextmanager
-def _serve(bounds: RequestBounds) -> Iterator[int]:
-    port = free_port()
-    config = uvicorn.Config(
-        _app,
-        host="127.0.0.1",
-        port=port,
-        loop="asyncio",
-        http=bounded_protocol(bounds),
-        log_level="warning",
-        lifespan="off",
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
+def _serve(bounds: RequestBounds) -> contextlib.AbstractContextManager[int]:
+    return serve_asgi(_app, bounds)
 
 
 @pytest.fixture(scope="module")
