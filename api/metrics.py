@@ -22,6 +22,9 @@ Prometheus (``GET /metrics``):
   (:mod:`api.protocol`: head_too_large, head_timeout, idle, body_timeout, send_timeout);
 * ``tidal_gateway_replica_inflight{replica, pool}``, ``tidal_gateway_replica_cap{replica, pool}``,
   ``tidal_admission_queue_depth{pool}`` -- read from live state at scrape time.
+
+Under ``tidal gateway --workers N`` a scrape answers with every worker's series, each labelled
+``worker`` (:mod:`api.worker_metrics`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ admission queue and scraper, and its own place in the shared load state, :mod:`r
 and serves it with uvicorn on its own listening socket bound with ``SO_REUSEPORT``: the kernel
 spreads new connections evenly over the workers' sockets (one accept queue shared by every worker
 lets whichever wakes first take most of them), and a worker that dies takes its socket with it,
-so connections go to the others until the supervisor has started it again.
+so connections go to the others until the supervisor has started it again. Each worker also
+serves on a Unix socket of its own, in a directory only this user can enter, where the worker
+answering ``GET /metrics`` fetches the others' series (:mod:`api.worker_metrics`).
 
 The supervisor (this process) forwards SIGTERM and SIGINT to the workers as SIGTERM (uvicorn's
 graceful stop: in-flight streams end, then the lifespan shutdown withdraws the worker's counts),
@@ -30,18 +32,23 @@ import gc
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import FrameType
 
 from starlette.types import ASGIApp
 
 from tidal.api.protocol import RequestBounds, bounded_protocol
+from tidal.api.state import GatewayState
+from tidal.api.worker_metrics import WorkerPeers
 from tidal.logs import uvicorn_log_config
 
 __all__ = ["reuseport_socket", "serve_workers"]
@@ -67,14 +74,29 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _worker(build: Callable[[], ASGIApp], host: str, port: int, index: int, bounds: RequestBounds) -> None:
+def _unix_socket(path: Path) -> socket.socket:
+    """A Unix stream socket bound to ``path`` (one a restarted worker left is replaced)."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    return sock
+
+
+def _worker(
+    build: Callable[[], ASGIApp], host: str, port: int, bounds: RequestBounds, peers: WorkerPeers
+) -> None:
     import uvicorn
 
     # Die with the supervisor even when it is killed outright (Linux).
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     sock = reuseport_socket(host, port)
+    own = _unix_socket(peers.socket_path(peers.index))
     app = build()
+    state = getattr(getattr(app, "state", None), "tidal", None)
+    if isinstance(state, GatewayState):
+        state.workers = peers
     gc.freeze()  # as the one-process gateway does: long-lived objects out of the collector's walk
     config = uvicorn.Config(
         app,
@@ -85,7 +107,7 @@ def _worker(build: Callable[[], ASGIApp], host: str, port: int, index: int, boun
         access_log=False,
         lifespan="on",
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(config).run(sockets=[sock, own])
 
 
 def serve_workers(
@@ -102,6 +124,7 @@ def serve_workers(
     # Fail here, clearly, when the port is taken by something that does not share it.
     reuseport_socket(host, port).close()
     ctx = multiprocessing.get_context("spawn")
+    socket_dir = Path(tempfile.mkdtemp(prefix="tidal-gateway-"))  # (mode 0700)
     procs: list[BaseProcess] = []
     started: list[float] = []
     fast_failures = [0] * workers
@@ -110,7 +133,7 @@ def serve_workers(
     def start(i: int) -> BaseProcess:
         p = ctx.Process(
             target=_worker,
-            args=(build, host, port, i, bounds),
+            args=(build, host, port, bounds, WorkerPeers(i, workers, socket_dir)),
             name=f"tidal-gateway-{i}",
             daemon=False,
         )
@@ -160,4 +183,5 @@ def serve_workers(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        shutil.rmtree(socket_dir, ignore_errors=True)
     return status

@@ -14,6 +14,7 @@ from tidal.settings import Settings
 
 if TYPE_CHECKING:
     from tidal.api.interactive import InteractiveService
+    from tidal.api.worker_metrics import WorkerPeers
     from tidal.batch_jobs.jobs import JobService
     from tidal.batch_jobs.service import BatchService
 
@@ -41,3 +42,5 @@ class GatewayState:
     # The batch tier (api/batch_tier.py): files, batches and jobs.
     batch: BatchService | None = None
     jobs: JobService | None = None
+    # This process's place among the workers of ``tidal gateway --workers N`` (api/serve.py).
+    workers: WorkerPeers | None = None

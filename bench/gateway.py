@@ -437,19 +437,16 @@ def run(
 
 def _staleness(target: _Target) -> str:
     """Each gateway process's shared-state staleness over the run so far: the median and the
-    p99 bucket bound of the oldest the other processes' counts got before a refresh, and the mean."""
-    seen: dict[str, str] = {}
-    for _ in range(20 * target.workers):  # every /metrics call is a new connection: any worker
-        if len(seen) == target.workers:
-            break
-        text = urllib.request.urlopen(target.url + "/metrics", timeout=10).read().decode()
-        samples = list(parse_samples(text))
-        gid = next(
-            (s.labels.get("gateway", "") for s in samples if s.name == "tidal_gateway_shared_state_up"), ""
-        )
-        if not gid or gid in seen:
-            continue
-        name = "tidal_gateway_shared_state_staleness_seconds"
+    p99 bucket bound of the oldest the other processes' counts got before a refresh, and the mean
+    (one scrape answers for every worker, its series labelled ``worker``)."""
+    text = urllib.request.urlopen(target.url + "/metrics", timeout=10).read().decode()
+    name = "tidal_gateway_shared_state_staleness_seconds"
+    by_worker: dict[str, list[Any]] = {}
+    for s in parse_samples(text):
+        if s.name.startswith(name):
+            by_worker.setdefault(s.labels.get("worker", "0"), []).append(s)
+    seen: list[str] = []
+    for worker, samples in sorted(by_worker.items()):
         buckets = sorted((float(s.labels["le"]), s.value) for s in samples if s.name == f"{name}_bucket")
         count = next((s.value for s in samples if s.name == f"{name}_count"), 0.0)
         total = next((s.value for s in samples if s.name == f"{name}_sum"), 0.0)
@@ -460,10 +457,10 @@ def _staleness(target: _Target) -> str:
             bound = next(le for le, n in buckets if n >= f * count)
             return f"<={bound * 1000:g}" if bound != float("inf") else ">5000"
 
-        seen[gid] = (
-            f"p50 {q(0.5)} ms, p99 {q(0.99)} ms, mean {total / count * 1000:.0f} ms over {count:.0f} syncs"
+        seen.append(
+            f"worker {worker}: p50 {q(0.5)} ms, p99 {q(0.99)} ms, mean {total / count * 1000:.0f} ms over {count:.0f} syncs"
         )
-    return "; ".join(f"worker {i}: {v}" for i, v in enumerate(seen.values())) or "not reported"
+    return "; ".join(seen) or "not reported"
 
 
 def _level(

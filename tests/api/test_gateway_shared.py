@@ -36,6 +36,7 @@ import yaml
 from tests.api.harness import ADMIN_KEY, DEV_KEY, Gateway, fleet_dict, run_gateway
 from tests.services import in_ci, require_tcp
 from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process
+from tidal.replicas.wire.prom import parse_samples
 
 pytestmark = pytest.mark.redis
 
@@ -354,7 +355,8 @@ def test_workers_share_load_through_redis_and_are_refused_without_it(
     try:
         proc.wait_ready(60)
         gw = Gateway(proc, proc.url)
-        assert _wait(lambda: gw.metric("tidal_gateway_shared_state_gateways") == 2, 15, 0.1)
+        # (one scrape answers for both workers, each reporting the two it shares state with)
+        assert _wait(lambda: gw.metric("tidal_gateway_shared_state_gateways") == 2 * 2, 15, 0.1)
         stop = threading.Event()
         with ThreadPoolExecutor(8) as pool:
             # Streams far longer than the checks (about 28 s, longer on a loaded machine); the
@@ -376,6 +378,24 @@ def test_workers_share_load_through_redis_and_are_refused_without_it(
             finally:
                 stop.set()
             assert all(s.result() == 200 for s in streams)
+        # /metrics answers for both workers, whichever accepts the scrape: every series labelled
+        # with its worker, so the eight streams add up whichever worker served which.
+        for _ in range(6):
+            text = httpx.get(gw.url + "/metrics", timeout=10).text
+            samples = list(parse_samples(text))
+            up = {s.labels["worker"]: s.value for s in samples if s.name == "tidal_gateway_worker_scrape_up"}
+            assert up == {"0": 1.0, "1": 1.0}, up
+            admitted = [
+                s
+                for s in samples
+                if s.name == "tidal_admission_outcomes_total" and s.labels["outcome"] == "admitted"
+            ]
+            assert sum(s.value for s in admitted) == 8 and {s.labels["worker"] for s in admitted} <= {
+                "0",
+                "1",
+            }
+        local = list(parse_samples(httpx.get(gw.url + "/metrics?scope=process", timeout=10).text))
+        assert not any("worker" in s.labels for s in local)  # (one worker's own, as a worker asks)
         # An admin change reaches both workers, whichever one answered it.
         assert gw.admin("PATCH", "/admin/replicas/replica-0", json={"weight": 3}).status_code == 200
         assert _wait(lambda: all(_replicas(gw)["replica-0"]["weight"] == 3 for _ in range(6)), 5) is not None
