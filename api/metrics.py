@@ -19,7 +19,8 @@ Prometheus (``GET /metrics``):
 * ``tidal_gateway_retries_total{reason}``, ``tidal_gateway_upstream_errors_total{replica}``,
   ``tidal_gateway_overflow_requests_total{result}``;
 * ``tidal_gateway_connections_cut_total{reason}`` -- connections the server's bounds ended
-  (:mod:`api.protocol`: head_too_large, head_timeout, idle, body_timeout, send_timeout);
+  (:mod:`api.protocol`: head_too_large, head_timeout, idle, body_timeout, send_timeout), and
+  those that sent what is not HTTP (bad_request);
 * ``tidal_gateway_replica_inflight{replica, pool}``, ``tidal_gateway_replica_cap{replica, pool}``,
   ``tidal_admission_queue_depth{pool}`` -- read from live state at scrape time.
 
@@ -252,7 +253,7 @@ class _ConnectionCuts(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         cuts = CounterMetricFamily(
             "tidal_gateway_connections_cut",
-            "Client connections ended by the server's bounds on heads, bodies and reading",
+            "Client connections ended by the server's bounds on heads, bodies and reading, or for bytes that are not HTTP",
             labels=["reason"],
         )
         for reason in CUT_REASONS:

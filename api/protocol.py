@@ -35,8 +35,12 @@ The body's size is the application's to bound (:class:`~api.limits.BodyLimit`).
 
 Every connection a bound ends is counted in :data:`CUTS` by reason (``head_too_large``,
 ``head_timeout``, ``idle``: a new connection that sent nothing, ``body_timeout``,
-``send_timeout``); the gateway exports the counts as ``tidal_gateway_connections_cut_total``.
-One process serves one server, so the tally is the process's.
+``send_timeout``), and so is one that sent what is not HTTP (``bad_request``: uvicorn answers 400
+and closes); the gateway exports the counts as ``tidal_gateway_connections_cut_total``.
+One process serves one server, so the tally is the process's. uvicorn also logs a warning for
+each request it cannot parse, so a client sending garbage would write the log as fast as it
+sends: :class:`InvalidRequestLog` lets one of those lines through a minute, with the number held
+back.
 
 Example::
 
@@ -48,18 +52,29 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import time
 import weakref
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-__all__ = ["CUTS", "CUT_REASONS", "BodyWriter", "BoundedProtocol", "RequestBounds", "bounded_protocol"]
+__all__ = [
+    "CUTS",
+    "CUT_REASONS",
+    "BodyWriter",
+    "BoundedProtocol",
+    "InvalidRequestLog",
+    "RequestBounds",
+    "bounded_protocol",
+]
 
-CUT_REASONS = ("head_too_large", "head_timeout", "idle", "body_timeout", "send_timeout")
+CUT_REASONS = ("head_too_large", "head_timeout", "idle", "body_timeout", "send_timeout", "bad_request")
 CUTS: Counter[str] = Counter()  # connections the bounds ended in this process, by reason
 
 
@@ -185,6 +200,7 @@ class BoundedProtocol(HttpToolsProtocol):
             CUTS["head_too_large"] += 1
             self._refuse(431)
         else:
+            CUTS["bad_request"] += 1
             super().send_400_response(msg)
 
     def _count(self, n: int) -> None:
@@ -257,6 +273,39 @@ def _cancelled(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
     return None
 
 
+class InvalidRequestLog(logging.Filter):
+    """On uvicorn's ``uvicorn.error`` logger: of its warning for each request it cannot parse
+    ("Invalid HTTP request received."), the first goes through, then one every ``every_s``
+    saying how many were held back since; every other line goes through as it is. (The requests
+    themselves are counted, as ``bad_request`` or ``head_too_large`` cuts.)"""
+
+    MESSAGE = "Invalid HTTP request received."
+
+    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self.clock = clock
+        self._next = -math.inf
+        self._held = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.MESSAGE:
+            return True
+        now = self.clock()
+        if now < self._next:
+            self._held += 1
+            return False
+        if self._held:
+            record.msg = f"{self.MESSAGE} ({self._held} more held back since the last of these lines)"
+            self._held = 0
+        self._next = now + self.every_s
+        return True
+
+
 def bounded_protocol(bounds: RequestBounds) -> type[BoundedProtocol]:
-    """A :class:`BoundedProtocol` with these bounds, for ``uvicorn.Config(http=...)``."""
+    """A :class:`BoundedProtocol` with these bounds, for ``uvicorn.Config(http=...)``; puts an
+    :class:`InvalidRequestLog` on uvicorn's logger (one a process)."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, InvalidRequestLog) for f in logger.filters):
+        logger.addFilter(InvalidRequestLog())
     return type("BoundedProtocol", (BoundedProtocol,), {"bounds": bounds, "__module__": __name__})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import sys
 import threading
@@ -32,7 +33,7 @@ from tests.api.harness import (
     running as running_process,
     serve_asgi,
 )
-from tidal.api.protocol import CUT_REASONS, CUTS, RequestBounds
+from tidal.api.protocol import CUT_REASONS, CUTS, InvalidRequestLog, RequestBounds
 from tidal.replicas.launcher import ReplicaProcess, free_port, sim_process
 from tidal.replicas.wire.prom import parse_samples
 
@@ -168,6 +169,47 @@ def test_a_head_over_the_bound_is_answered_431_and_closed(port: int) -> None:
     with _cuts(), _connect(port) as s:
         s.sendall(_get(extra=b"X-Pad: " + b"a" * (MAX_HEAD - 200) + b"\r\n"))
         assert _response(s).startswith(b"HTTP/1.1 200 ")
+
+
+def test_bytes_that_are_not_http_are_answered_400_counted_and_logged_once_a_minute(port: int) -> None:
+    logger = logging.getLogger("uvicorn.error")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        with _cuts(bad_request=20):
+            for _ in range(20):
+                with _connect(port) as s:
+                    s.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
+                    reply = _read_all(s)
+                assert reply.startswith(b"HTTP/1.1 400 ") and b"connection: close" in reply.lower()
+    finally:
+        logger.removeHandler(handler)
+    # (one line at most: another test of this module may have had this minute's)
+    assert len([line for line in lines if "Invalid HTTP request" in line]) <= 1, lines
+
+
+def test_uvicorns_warning_per_unparsable_request_goes_through_once_a_minute() -> None:
+    now = [0.0]
+    quiet = InvalidRequestLog(every_s=60.0, clock=lambda: now[0])
+
+    def passes(msg: str) -> str | None:
+        record = logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, msg, None, None)
+        return record.getMessage() if quiet.filter(record) else None
+
+    assert passes(InvalidRequestLog.MESSAGE) == InvalidRequestLog.MESSAGE
+    assert [passes(InvalidRequestLog.MESSAGE) for _ in range(5)] == [None] * 5
+    assert passes("Exception in ASGI application") == "Exception in ASGI application"  # others pass
+    now[0] = 59.9
+    assert passes(InvalidRequestLog.MESSAGE) is None
+    now[0] = 60.0
+    assert (
+        passes(InvalidRequestLog.MESSAGE)
+        == f"{InvalidRequestLog.MESSAGE} (6 more held back since the last of these lines)"
+    )
+    now[0] = 200.0
+    assert passes(InvalidRequestLog.MESSAGE) == InvalidRequestLog.MESSAGE
 
 
 def test_a_head_that_does_not_arrive_in_time_is_answered_408_and_closed(port: int) -> None:
@@ -329,6 +371,10 @@ def test_the_gateway_serves_with_the_fleet_files_bounds(tmp_path: Path) -> None:
             _trickle(s, 1000, 1, 0.1)
             assert _read_all(s).startswith(b"HTTP/1.1 408 ")
             assert 0.9 <= time.monotonic() - t0 < 4.0
+        for _ in range(5):
+            with _connect(gw_port) as s:
+                s.sendall(b"\x16\x03\x01 not http\r\n\r\n")
+                assert _read_all(s).startswith(b"HTTP/1.1 400 ")
         gw = Gateway(proc, f"http://127.0.0.1:{gw_port}")
         cuts = {labels["reason"]: v for labels, v in gw.samples("tidal_gateway_connections_cut_total")}
         assert cuts == {
@@ -337,9 +383,13 @@ def test_the_gateway_serves_with_the_fleet_files_bounds(tmp_path: Path) -> None:
             "idle": 0,
             "body_timeout": 1,
             "send_timeout": 0,
+            "bad_request": 5,
         }
     finally:
         proc.stop()
+    # uvicorn's warning for the 431's head and the five: the first only, within the minute
+    warned = (tmp_path / "gateway.log").read_text().count("Invalid HTTP request received.")
+    assert warned == 1
 
 
 def test_the_gateway_cuts_a_stream_nobody_reads_and_frees_its_replica(tmp_path: Path) -> None:
