@@ -150,6 +150,7 @@ class InteractiveService:
             prom,
             self.clock,
             pool_rates=self._pool_rates,
+            counters=self._group_counts,
         )
         default = self.router.profiles[self.router.default]
         # Block hashes cost time per request; compute them only when the profile reads them.
@@ -543,6 +544,13 @@ class InteractiveService:
             out[pool] = (w.requests.rate(), w.errors.rate())
         return out
 
+    def _group_counts(self) -> dict[str, int]:
+        """This process's requests and errors per replica group (added up across processes)."""
+        out = {}
+        for name, g in self.metrics.groups.items():
+            out[f"group:{name}:requests"], out[f"group:{name}:errors"] = g.requests, g.errors
+        return out
+
     def load_json(self) -> dict[str, Any]:
         """The scheduler's signal source (``GET /admin/load``), cheap enough to poll every 250 ms.
 
@@ -551,7 +559,10 @@ class InteractiveService:
         gateway process's, so any one answers for all: one port of ``--workers N``, or one of
         several gateways), ``gateway`` when it counts its own alone (no Redis, or Redis lost for
         longer than the shared state's ttl).
-        Latency quantiles, KV usage and canary groups are this process's own view in both."""
+        A canary group's ``requests`` and ``errors`` (counters since the start) are every
+        process's too once this one has synced with the others (whatever the scope: what this one
+        counted while the store was away is added, so they only grow); its ``error_rate``, the
+        latency quantiles and KV usage are this process's own view."""
         # The others' counts are in use until they are older than the store's ttl (then dropped).
         fleet = self.shared is not None and self.shared.age_s() <= self.shared.ttl_s
         local = self._pool_rates()
@@ -593,12 +604,21 @@ class InteractiveService:
                 "errors": g.errors,
                 "error_rate": g.window_errors.count() / recent if recent else 0.0,
             }
+        fleet_groups = self.shared is not None and self.shared.fleet_counts is not None
+        if self.shared is not None and self.shared.fleet_counts is not None:
+            for key in {*self.shared.fleet_counts, *self._group_counts()}:
+                head, _, what = key.rpartition(":")
+                if head.startswith("group:") and what in ("requests", "errors"):
+                    group = groups.setdefault(head[6:], {"requests": 0, "errors": 0, "error_rate": 0.0})
+                    group[what] = self.shared.fleet_count(key)
         for state in self.registry:
             groups.setdefault(state.group, {"requests": 0, "errors": 0, "error_rate": 0.0})
         out: dict[str, Any] = {
             "time": time.time(),
             "scope": "fleet" if fleet else "gateway",
             "pools": pools,
+            # (the groups' counts are every process's from the first sync on, whatever "scope")
+            "groups_scope": "fleet" if fleet_groups else "gateway",
             "groups": groups,
         }
         shared = self.shared

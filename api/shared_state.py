@@ -103,9 +103,11 @@ def build_shared_load(
     prom: CollectorRegistry,
     clock: Clock,
     pool_rates: Callable[[], Mapping[str, tuple[float, float]]] | None = None,
+    counters: Callable[[], Mapping[str, int]] | None = None,
 ) -> SharedLoad | None:
     """The sync loop of this process when ``TIDAL_REDIS_URL`` is set (not started), else ``None``;
-    ``pool_rates`` -- this process's requests and errors per second per pool, published."""
+    ``pool_rates`` -- this process's requests and errors per second per pool, published;
+    ``counters`` -- its cumulative counters, added up with every other process's."""
     if not settings.redis_url:
         return None
     gw = fleet.gateway
@@ -143,6 +145,7 @@ def build_shared_load(
         queue_depth=admission.queue_depth,
         tenant_load=lambda: admission.held,
         pool_rates=pool_rates,
+        counters=counters,
         on_freed=on_freed,
         on_sync=observed,
     )

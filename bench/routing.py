@@ -350,7 +350,7 @@ class _Published:
 
 class VirtualLoadBoard:
     """What the Redis server holds for :class:`VirtualLoadStore` (see :mod:`router.redis_load`):
-    every gateway's last published load, each replica's cap and its epoch. A publication reaches
+    every gateway's last published load, each replica's cap and its epoch, the counters' totals. A publication reaches
     the others' reads ``rtt_s`` after the sync that sent it (half a round trip to the server,
     half back with the reader's reply); a gateway's counts older than ``ttl_s`` are gone (the
     key expired). Cap proposals are a compare-and-set on the epoch, as the Lua script does."""
@@ -361,11 +361,19 @@ class VirtualLoadBoard:
         self.ttl_s = ttl_s
         self.loads: dict[str, list[_Published]] = {}  # gateway -> publications, oldest first
         self.caps: dict[str, SharedCap] = {}
+        self.counts: dict[str, int] = {}
 
     def sync(
-        self, gateway_id: str, mine: GatewayLoad, proposals: Sequence[CapProposal], replicas: Sequence[str]
+        self,
+        gateway_id: str,
+        mine: GatewayLoad,
+        proposals: Sequence[CapProposal],
+        replicas: Sequence[str],
+        increments: Mapping[str, int],
     ) -> SyncReply:
         now = self.clock.now()
+        for name, n in increments.items():
+            self.counts[name] = self.counts.get(name, 0) + n
         pubs = self.loads.setdefault(gateway_id, [])
         pubs.append(_Published(now + self.rtt_s, now, mine))
         accepted = []
@@ -387,7 +395,7 @@ class VirtualLoadBoard:
                 others[gid] = seen.load
                 ages[gid] = now - seen.published_at
         caps = {name: c for name in replicas if (c := self.caps.get(name)) is not None}
-        return SyncReply(others, ages, caps, frozenset(accepted))
+        return SyncReply(others, ages, caps, frozenset(accepted), dict(self.counts))
 
 
 class VirtualLoadStore:
@@ -399,10 +407,14 @@ class VirtualLoadStore:
         self.last: GatewayLoad | None = None
 
     async def sync(
-        self, mine: GatewayLoad, proposals: Sequence[CapProposal], replicas: Sequence[str]
+        self,
+        mine: GatewayLoad,
+        proposals: Sequence[CapProposal],
+        replicas: Sequence[str],
+        increments: Mapping[str, int] | None = None,
     ) -> SyncReply:
         self.last = mine
-        return self.board.sync(self.gateway_id, mine, proposals, replicas)
+        return self.board.sync(self.gateway_id, mine, proposals, replicas, increments or {})
 
     async def leave(self) -> None:
         self.board.loads.pop(self.gateway_id, None)

@@ -11,11 +11,14 @@ Keys (``NS`` is ``TIDAL_REDIS_NAMESPACE``, ``tidal`` by default)::
     NS:gateways          zset   gateway id -> expiry (server ms): the live gateways
     NS:cap:<replica>     hash   "v" -> the replica's cap, "e" -> its epoch (decisions so far);
                                 PEXPIRE 24 h from the last decision
+    NS:counts            hash   counter name -> the fleet's total (HINCRBY by each gateway's
+                                increments); PEXPIRE 24 h from the last increment
 
 One sync is one ``EVALSHA`` (redis-py reloads the script after a Redis restart): it rewrites this
 gateway's hash and its index entry, drops index entries past their expiry, applies the cap
-proposals (compare-and-set on the epoch; a missing key takes any proposal), and returns the
-server time, the accepted proposals, the caps asked about and every other live gateway's hash.
+proposals (compare-and-set on the epoch; a missing key takes any proposal), adds the gateway's
+counter increments, and returns the server time, the accepted proposals, the caps asked about,
+every other live gateway's hash and the counters' totals.
 Times come from Redis's clock (``TIME``), so gateways on hosts whose clocks differ agree on
 ages and expiries. The script touches keys it does not declare, so it needs one Redis server
 (with replicas or Sentinel as you like), not Redis Cluster.
@@ -35,7 +38,7 @@ import math
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -47,7 +50,7 @@ from tidal.router.shared import CapProposal, GatewayLoad, SharedCap, StoreUnavai
 
 __all__ = ["RedisLoadStore", "new_gateway_id"]
 
-CAP_TTL_MS = 24 * 3600 * 1000
+CAP_TTL_MS = 24 * 3600 * 1000  # (the counters' too)
 
 _SYNC = """
 local t = redis.call('TIME')
@@ -95,7 +98,14 @@ for _, other in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
     end
   end
 end
-return {now, accepted, caps, others}
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1]); i = i + 2
+end
+if n > 0 then
+  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[i]))
+end
+return {now, accepted, caps, others, redis.call('HGETALL', KEYS[3])}
 """
 
 
@@ -166,10 +176,14 @@ class RedisLoadStore:
             client_name=f"tidal-gateway-{self.gateway_id}"[:100],
         )
         self._script = self._redis.register_script(_SYNC)
-        self._keys = [f"{self.prefix}gateways", f"{self.prefix}gw:{self.gateway_id}"]
+        self._keys = [f"{self.prefix}gateways", f"{self.prefix}gw:{self.gateway_id}", f"{self.prefix}counts"]
 
     async def sync(
-        self, mine: GatewayLoad, proposals: Sequence[CapProposal], replicas: Sequence[str]
+        self,
+        mine: GatewayLoad,
+        proposals: Sequence[CapProposal],
+        replicas: Sequence[str],
+        increments: Mapping[str, int] | None = None,
     ) -> SyncReply:
         args: list[str | int] = [self.gateway_id, self.ttl_ms, self.prefix]
         args.append(len(mine.replicas) + len(mine.queued) + len(mine.tenants) + len(mine.rates))
@@ -186,8 +200,15 @@ class RedisLoadStore:
             args += [p.replica, p.expected_epoch, p.value, CAP_TTL_MS]
         args.append(len(replicas))
         args += list(replicas)
+        increments = increments or {}
+        args.append(len(increments))
+        for name, n in increments.items():
+            args += [name, n]
+        args.append(CAP_TTL_MS)
         try:
-            now_ms, accepted, caps_flat, others_flat = await self._script(keys=self._keys, args=args)
+            now_ms, accepted, caps_flat, others_flat, counts_flat = await self._script(
+                keys=self._keys, args=args
+            )
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
         now_ms = int(now_ms)
@@ -199,7 +220,8 @@ class RedisLoadStore:
         ages: dict[str, float] = {}
         for gid, flat in zip(others_flat[::2], others_flat[1::2], strict=True):
             others[_s(gid)], ages[_s(gid)] = _load(flat, now_ms)
-        return SyncReply(others, ages, caps, frozenset(_s(a) for a in accepted))
+        counts = {_s(k): int(v) for k, v in zip(counts_flat[::2], counts_flat[1::2], strict=True)}
+        return SyncReply(others, ages, caps, frozenset(_s(a) for a in accepted), counts)
 
     async def leave(self) -> None:
         try:

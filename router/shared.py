@@ -29,6 +29,11 @@ slots and every load scorer see the fleet's load.
   most it had in flight since its previous publication: a closed-loop client's next request
   finds its slot at the same gateway instead of a second gateway grabbing it meanwhile (a slot
   that stays free is seen one interval later).
+* **Counters add up across gateways.** A gateway's cumulative counters (``counters``: a canary
+  group's requests and errors) go to the store as increments at each sync and come back as the
+  fleet's totals (:meth:`SharedLoad.fleet_count`), which grow however many processes count and
+  whichever one is asked, and outlive a process that restarts; an increment a failed sync did
+  not deliver goes with the next.
 * **The request path does no I/O.** ``acquire``/``release`` change local counters as before;
   publication and reading happen in the background loop (:meth:`SharedLoad.run_forever`).
 
@@ -106,23 +111,30 @@ class CapProposal:
 @dataclass(frozen=True, slots=True)
 class SyncReply:
     """The store's answer to one sync: every other live gateway's load and how old it was at the
-    store (seconds), the shared caps of the replicas asked about, the proposals that won."""
+    store (seconds), the shared caps of the replicas asked about, the proposals that won, and
+    the fleet's counter totals (this sync's increments included)."""
 
     others: dict[str, GatewayLoad]
     ages_s: dict[str, float]
     caps: dict[str, SharedCap]
     accepted: frozenset[str] = frozenset()
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 class LoadStore(Protocol):
     """Where gateways meet. One :meth:`sync` publishes this gateway's load, applies its cap
-    proposals (each a compare-and-set on the epoch), and reads the others' loads and the caps
-    of ``replicas``; it raises :class:`StoreUnavailable` when the store cannot be reached."""
+    proposals (each a compare-and-set on the epoch), adds ``increments`` to the fleet's counters,
+    and reads the others' loads, the caps of ``replicas`` and the counters' totals; it raises
+    :class:`StoreUnavailable` when the store cannot be reached."""
 
     gateway_id: str
 
     async def sync(
-        self, mine: GatewayLoad, proposals: Sequence[CapProposal], replicas: Sequence[str]
+        self,
+        mine: GatewayLoad,
+        proposals: Sequence[CapProposal],
+        replicas: Sequence[str],
+        increments: Mapping[str, int] | None = None,
     ) -> SyncReply: ...
 
     async def leave(self) -> None: ...
@@ -137,9 +149,11 @@ class SharedLoad:
     :class:`LoadStore`; ``clock``; ``interval_s`` -- between syncs; ``ttl_s`` -- how long a
     gateway's published counts live in the store, and the age past which this gateway stops
     using what it read; ``timeout_s`` -- one sync's limit; ``queue_depth`` -- this gateway's
-    admission queue per pool; ``on_freed`` -- called with a pool whose other gateways freed
-    slots (or whose cap grew), to wake this gateway's waiting requests; ``on_sync`` -- called
-    after each successful sync with its duration and the oldest the view had grown before it.
+    admission queue per pool; ``counters`` -- this gateway's cumulative counters by name, added
+    up across gateways (:meth:`fleet_count`); ``on_freed`` -- called with a pool whose other
+    gateways freed slots (or whose cap grew), to wake this gateway's waiting requests;
+    ``on_sync`` -- called after each successful sync with its duration and the oldest the view
+    had grown before it.
     """
 
     def __init__(
@@ -154,6 +168,7 @@ class SharedLoad:
         queue_depth: Callable[[str], int] | None = None,
         tenant_load: Callable[[], Mapping[tuple[str, str], int]] | None = None,
         pool_rates: Callable[[], Mapping[str, tuple[float, float]]] | None = None,
+        counters: Callable[[], Mapping[str, int]] | None = None,
         on_freed: Callable[[str], None] | None = None,
         on_sync: Callable[[float, float | None], None] | None = None,
     ) -> None:
@@ -168,6 +183,7 @@ class SharedLoad:
         self.queue_depth = queue_depth or (lambda _pool: 0)
         self.tenant_load = tenant_load or dict
         self.pool_rates = pool_rates or dict
+        self.counters = counters or dict
         self.on_freed = on_freed
         self.on_sync = on_sync
         self.up = False
@@ -177,6 +193,8 @@ class SharedLoad:
         self.remote_queued: dict[str, int] = {}
         self.remote_tenants: dict[tuple[str, str], int] = {}  # (pool, tenant) -> the others' count
         self.remote_rates: dict[str, tuple[float, float]] = {}  # pool -> the others' (requests, errors)/s
+        self.fleet_counts: dict[str, int] | None = None  # the counters' totals at the last sync
+        self._delivered: dict[str, int] = {}  # of this gateway's counters, what the store has
         self._synced_at: float | None = None  # local time the last successful sync started
         self._data_age = 0.0  # the oldest other gateway's publication age at that sync
         self._adopted: dict[str, SharedCap] = {}
@@ -188,6 +206,14 @@ class SharedLoad:
         if self._synced_at is None:
             return math.inf
         return self._data_age + ((self.clock.now() if now is None else now) - self._synced_at)
+
+    def fleet_count(self, name: str) -> int | None:
+        """Counter ``name`` over every gateway: the totals of the last sync plus what this one
+        counted since (``None`` before a first sync). It only grows, however long the store is
+        away."""
+        if self.fleet_counts is None:
+            return None
+        return self.fleet_counts.get(name, 0) + self.counters().get(name, 0) - self._delivered.get(name, 0)
 
     # -- one round ---------------------------------------------------------------------------------
 
@@ -219,13 +245,19 @@ class SharedLoad:
         states = list(self.registry)
         at_start = {s.name: s.cap.value for s in states}
         proposals = self._proposals()
+        counted = dict(self.counters())
+        increments = {
+            k: n - self._delivered.get(k, 0) for k, n in counted.items() if n != self._delivered.get(k, 0)
+        }
         try:
             reply = await asyncio.wait_for(
-                self.store.sync(self._mine(), proposals, [s.name for s in states]), self.timeout_s
+                self.store.sync(self._mine(), proposals, [s.name for s in states], increments), self.timeout_s
             )
         except (StoreUnavailable, TimeoutError) as exc:
             self._failed(started, exc)
             return False
+        self._delivered = counted
+        self.fleet_counts = reply.counts
         ended = self.clock.now()
         before = self.age_s(ended) if self.up else None
         self.up = True

@@ -125,15 +125,21 @@ def error_rate_worse(
 
 
 class _Delta:
-    """Growth of a cumulative counter since a mark, surviving a reset of the counter (a gateway restart)."""
+    """Growth of a cumulative counter since a mark, surviving a reset of the counter (a gateway
+    restart: it fell below half of what it was) and reads that come out of order (a slightly
+    lower value: another process of the gateway answered with totals a sync older; skipped)."""
 
     def __init__(self) -> None:
         self.last: float | None = None
         self.total = 0.0
 
     def update(self, value: float) -> None:
-        if self.last is not None:
-            self.total += value - self.last if value >= self.last else value
+        if self.last is not None and value < self.last:
+            if value >= self.last / 2:
+                return  # an older reading: the growth since shows in a later one
+            self.total += value  # counted again from zero
+        elif self.last is not None:
+            self.total += value - self.last
         self.last = value
 
     def mark(self) -> None:

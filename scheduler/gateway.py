@@ -104,7 +104,8 @@ def merge_reports(reports: Sequence[LoadReport]) -> LoadReport:
     """One view of several gateways: waits, latencies and KV usage take the worst; counts (queue
     depth, in flight, requests and errors per second) add up, except that gateways sharing load
     state (``scope: fleet``) each count every sharing gateway's already: of those the largest
-    count stands for them all (summing would count the fleet once per gateway)."""
+    count stands for them all (summing would count the fleet once per gateway). The groups'
+    counts likewise, by ``groups_scope``."""
     if len(reports) == 1:
         return reports[0]
     fleet = [r for r in reports if r.scope == "fleet"]
@@ -140,11 +141,19 @@ def merge_reports(reports: Sequence[LoadReport]) -> LoadReport:
         )
     groups: dict[str, GroupLoad] = {}
     for name in sorted({g for r in reports for g in r.groups}):
-        req = sum(r.groups[name].requests for r in reports if name in r.groups)
-        err = sum(r.groups[name].errors for r in reports if name in r.groups)
+        # (a gateway whose group counts are the fleet's counts every sharing gateway's already)
+        shared_g = [r.groups[name] for r in reports if name in r.groups and r.groups_scope == "fleet"]
+        alone_g = [r.groups[name] for r in reports if name in r.groups and r.groups_scope != "fleet"]
+        req = max((g.requests for g in shared_g), default=0.0) + sum(g.requests for g in alone_g)
+        err = max((g.errors for g in shared_g), default=0.0) + sum(g.errors for g in alone_g)
         groups[name] = GroupLoad(requests=req, errors=err, error_rate=err / req if req > 0 else 0.0)
+    groups_alone = any(r.groups_scope != "fleet" for r in reports)
     return LoadReport(
-        time=max(r.time for r in reports), pools=pools, groups=groups, scope="gateway" if own else "fleet"
+        time=max(r.time for r in reports),
+        pools=pools,
+        groups=groups,
+        scope="gateway" if own else "fleet",
+        groups_scope="gateway" if groups_alone else "fleet",
     )
 
 

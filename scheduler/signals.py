@@ -102,6 +102,8 @@ class LoadReport:
     # "fleet": the pools' counts and rates are every gateway's that shares load state with this
     # one; "gateway": its own alone (see merge_reports).
     scope: str = "gateway"
+    # The same for the groups' request and error counts (fleet-wide counters once synced).
+    groups_scope: str = "gateway"
 
     @classmethod
     def from_json(cls, data: Any) -> LoadReport:
@@ -118,6 +120,7 @@ class LoadReport:
             raise SignalError("load report: too many pools or groups")
         return cls(
             scope="fleet" if data.get("scope") == "fleet" else "gateway",
+            groups_scope="fleet" if data.get("groups_scope") == "fleet" else "gateway",
             time=_num(data.get("time"), "time"),
             pools={str(k): PoolLoad.from_json(v, f"pools.{k}") for k, v in pools_raw.items()},
             groups={str(k): GroupLoad.from_json(v, f"groups.{k}") for k, v in groups_raw.items()},

@@ -191,16 +191,23 @@ def test_with_shared_load_state_the_load_signal_counts_the_fleet(tmp_path: Path)
             age_s=lambda: 0.01,
             ttl_s=2.0,
             gateways=3,
+            fleet_counts={"group:canary:requests": 40, "group:canary:errors": 2},
         )
+        service.shared.fleet_count = service.shared.fleet_counts.get
         # When the scheduler reads this gateway's load signal,
         load = service.load_json()
         # Then it answers for the fleet: the others' rates and queues count.
         pool = load["pools"]["interactive"]
         assert load["scope"] == "fleet" and load["shared_state"]["gateways"] == 3
         assert pool["requests_per_s"] == 6.0 and pool["error_rate"] == 0.5 and pool["queue_depth"] == 4
-        # Once the others' counts are older than the ttl (the store away), it counts its own alone.
+        # and for the fleet's canary counts,
+        canary = {k: load["groups"]["canary"][k] for k in ("requests", "errors")}
+        assert load["groups_scope"] == "fleet" and canary == {"requests": 40, "errors": 2}
+        # Once the others' counts are older than the ttl (the store away), it counts its own alone,
+        # but the groups' counts stay the fleet's (the last totals, plus what it counts meanwhile).
         service.shared.up = False
         service.shared.age_s = lambda: 2.5
         load = service.load_json()
         assert load["scope"] == "gateway" and load["pools"]["interactive"]["requests_per_s"] == 0.0
+        assert load["groups_scope"] == "fleet" and load["groups"]["canary"]["requests"] == 40
         service.shared = None

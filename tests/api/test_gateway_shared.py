@@ -394,6 +394,14 @@ def test_workers_share_load_through_redis_and_are_refused_without_it(
                 "0",
                 "1",
             }
+
+        # So does a replica group's request count (what a canary rollout reads the growth of):
+        # the same from either worker once a sync has carried the last of the eight.
+        def stable_requests() -> int:
+            load = gw.admin("GET", "/admin/load").json()
+            return int(load["groups"]["stable"]["requests"])
+
+        assert _wait(lambda: [stable_requests() for _ in range(6)] == [8] * 6, 5) is not None
         local = list(parse_samples(httpx.get(gw.url + "/metrics?scope=process", timeout=10).text))
         assert not any("worker" in s.labels for s in local)  # (one worker's own, as a worker asks)
         # An admin change reaches both workers, whichever one answered it.

@@ -119,3 +119,16 @@ async def test_an_unreachable_redis_fails_fast_with_store_unavailable() -> None:
         assert time.monotonic() - t0 < 2.0
     finally:
         await store.aclose()
+
+
+async def test_counter_increments_add_up_in_redis_and_come_back_as_totals(namespace: str) -> None:
+    a, b = _store(namespace, "a"), _store(namespace, "b")
+    try:
+        reply = await a.sync(GatewayLoad(), [], [], {"group:canary:requests": 5, "group:canary:errors": 1})
+        assert reply.counts == {"group:canary:requests": 5, "group:canary:errors": 1}
+        reply = await b.sync(GatewayLoad(), [], [], {"group:canary:requests": 7})
+        assert reply.counts == {"group:canary:requests": 12, "group:canary:errors": 1}
+        assert (await a.sync(GatewayLoad(), [], [])).counts == reply.counts  # (reading adds nothing)
+    finally:
+        await a.aclose()
+        await b.aclose()

@@ -4,7 +4,7 @@ tested against a real Redis in ``test_redis_load.py``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 
@@ -33,6 +33,7 @@ class Store:
         self.clock = clock
         self.loads: dict[str, tuple[GatewayLoad, float]] = {}
         self.caps: dict[str, SharedCap] = {}
+        self.counts: dict[str, int] = {}
         self.down = False
 
 
@@ -44,12 +45,18 @@ class StoreClient:
         self.gateway_id = gateway_id
 
     async def sync(
-        self, mine: GatewayLoad, proposals: Sequence[CapProposal], replicas: Sequence[str]
+        self,
+        mine: GatewayLoad,
+        proposals: Sequence[CapProposal],
+        replicas: Sequence[str],
+        increments: Mapping[str, int] | None = None,
     ) -> SyncReply:
         s = self.store
         if s.down:
             raise StoreUnavailable("down")
         now = s.clock.now()
+        for name, n in (increments or {}).items():
+            s.counts[name] = s.counts.get(name, 0) + n
         s.loads[self.gateway_id] = (mine, now)
         accepted = set()
         for p in proposals:
@@ -61,7 +68,7 @@ class StoreClient:
         others = {g: load for g, (load, _) in live.items() if g != self.gateway_id}
         ages = {g: now - t for g, (_, t) in live.items() if g != self.gateway_id}
         caps = {r: s.caps[r] for r in replicas if r in s.caps}
-        return SyncReply(others, ages, caps, frozenset(accepted))
+        return SyncReply(others, ages, caps, frozenset(accepted), dict(s.counts))
 
     async def leave(self) -> None:
         self.store.loads.pop(self.gateway_id, None)
@@ -376,3 +383,34 @@ async def test_every_gateway_reads_the_fleet_s_request_and_error_rates() -> None
     assert gateways[1].remote_rates == {"interactive": (10.0, 1.0)}
     assert gateways[2].remote_rates == {"interactive": (14.0, 1.0)}
     assert gateways[2]._mine().rates == {}
+
+
+async def test_counters_add_up_over_gateways_whichever_is_asked_and_survive_an_outage() -> None:
+    # Given two gateways counting a canary group's requests, each its own,
+    store = Store(ManualClock())
+    a, b = (_gateway(store, name)[1] for name in ("a", "b"))
+    mine = {"a": {"group:canary:requests": 0}, "b": {"group:canary:requests": 0}}
+    a.counters, b.counters = (lambda: mine["a"]), (lambda: mine["b"])
+    assert a.fleet_count("group:canary:requests") is None  # (nothing read yet)
+    # When both count and sync,
+    mine["a"]["group:canary:requests"], mine["b"]["group:canary:requests"] = 30, 12
+    await a.sync_once()
+    await b.sync_once()
+    await a.sync_once()
+    # Then either answers with the fleet's total, each increment delivered once,
+    assert a.fleet_count("group:canary:requests") == b.fleet_count("group:canary:requests") == 42
+    # And while the store is away a gateway goes on adding what it counts, and what it counted
+    # meanwhile reaches the store with its next sync.
+    store.down = True
+    mine["a"]["group:canary:requests"] = 35
+    assert not await a.sync_once()
+    assert a.fleet_count("group:canary:requests") == 47
+    store.down = False
+    assert await a.sync_once() and await b.sync_once()
+    assert store.counts == {"group:canary:requests": 47}
+    assert b.fleet_count("group:canary:requests") == 47
+    # A gateway that restarts (its counters from zero) adds to the total instead of taking from it.
+    a2 = _gateway(store, "a2")[1]
+    a2.counters = lambda: {"group:canary:requests": 2}
+    await a2.sync_once()
+    assert a2.fleet_count("group:canary:requests") == 49

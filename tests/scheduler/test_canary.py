@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 
 from tidal.clock import ManualClock
-from tidal.scheduler.canary import CanaryController, CanarySpec, CanaryState, error_rate_worse, group_weights
+from tidal.scheduler.canary import (
+    CanaryController,
+    CanarySpec,
+    CanaryState,
+    _Delta,
+    error_rate_worse,
+    group_weights,
+)
 from tidal.scheduler.metrics import SchedulerMetrics
 from tidal.scheduler.signals import GroupLoad, LoadReport, ReplicaView
 
@@ -247,3 +254,13 @@ async def test_a_rollout_needs_both_groups_and_an_eval_runner_unless_told_otherw
         await ctl.start()
     with pytest.raises(ValueError):
         CanarySpec(steps=(0.5, 0.1))
+
+
+def test_a_counters_growth_survives_a_restart_and_readings_out_of_order() -> None:
+    delta = _Delta()
+    for value in (100, 130, 128, 131, 160):  # 128: a reading one sync older than 130's
+        delta.update(value)
+    assert delta.total == 60
+    delta.update(4)  # the gateway restarted: counted from zero again
+    delta.update(10)
+    assert delta.total == 70

@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tidal.scheduler.gateway import GatewayAdmin, GatewayError, merge_reports
-from tidal.scheduler.signals import LoadReport, PoolLoad, ReplicaView, SignalError
+from tidal.scheduler.signals import GroupLoad, LoadReport, PoolLoad, ReplicaView, SignalError
 
 pytestmark = pytest.mark.anyio
 
@@ -91,6 +91,21 @@ def test_gateways_that_share_load_state_are_not_counted_once_each() -> None:
     # and a report says which it is (anything else than "fleet" counts as one gateway's).
     assert LoadReport.from_json({"time": 1, "scope": "fleet", "pools": {}}).scope == "fleet"
     assert LoadReport.from_json({"time": 1, "scope": "x", "pools": {}}).scope == "gateway"
+
+
+def test_a_groups_fleet_wide_counts_count_once_whatever_the_pools_scope() -> None:
+    # Given two gateways whose canary counts are the fleet's (one of them cut off from the
+    # others' load for now, its group counts still the fleet's) and one counting its own,
+    shared_a = LoadReport(
+        1.0, groups={"canary": GroupLoad(100, 4, 0.04)}, scope="fleet", groups_scope="fleet"
+    )
+    shared_b = LoadReport(1.1, groups={"canary": GroupLoad(98, 4, 0.04)}, groups_scope="fleet")
+    alone = LoadReport(1.2, groups={"canary": GroupLoad(10, 1, 0.1)})
+    # When merged, the fleet's counts count once (the largest) and the other's add.
+    g = merge_reports([shared_a, shared_b, alone]).groups["canary"]
+    assert (g.requests, g.errors) == (110, 5) and g.error_rate == pytest.approx(5 / 110)
+    assert merge_reports([shared_a, shared_b]).groups_scope == "fleet"
+    assert LoadReport.from_json({"time": 1, "groups_scope": "fleet"}).groups_scope == "fleet"
 
 
 class FakeGateway:
