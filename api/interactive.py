@@ -604,13 +604,14 @@ class InteractiveService:
                 "errors": g.errors,
                 "error_rate": g.window_errors.count() / recent if recent else 0.0,
             }
-        fleet_groups = self.shared is not None and self.shared.fleet_counts is not None
-        if self.shared is not None and self.shared.fleet_counts is not None:
-            for key in {*self.shared.fleet_counts, *self._group_counts()}:
+        shared = self.shared
+        fleet_groups = shared is not None and shared.fleet_counts is not None
+        if shared is not None and shared.fleet_counts is not None:
+            for key in {*shared.fleet_counts, *self._group_counts()}:
                 head, _, what = key.rpartition(":")
                 if head.startswith("group:") and what in ("requests", "errors"):
                     group = groups.setdefault(head[6:], {"requests": 0, "errors": 0, "error_rate": 0.0})
-                    group[what] = self.shared.fleet_count(key)
+                    group[what] = shared.fleet_count(key)
         for state in self.registry:
             groups.setdefault(state.group, {"requests": 0, "errors": 0, "error_rate": 0.0})
         out: dict[str, Any] = {
@@ -621,7 +622,6 @@ class InteractiveService:
             "groups_scope": "fleet" if fleet_groups else "gateway",
             "groups": groups,
         }
-        shared = self.shared
         if shared is not None:
             out["shared_state"] = {
                 "up": shared.up,
