@@ -153,8 +153,14 @@ def test_a_stream_entering_one_gateway_is_counted_by_the_others_within_the_bound
     for play in range(3):
         first = threading.Event()
         since = [0.0]
+        status = [0]  # the stream's, for a failure's message
 
-        def stream(play: int = play, first: threading.Event = first, since: list[float] = since) -> None:
+        def stream(
+            play: int = play,
+            first: threading.Event = first,
+            since: list[float] = since,
+            status: list[int] = status,
+        ) -> None:
             body = {
                 "model": "tiny",
                 "messages": [{"role": "user", "content": f"play {play}: a long story"}],
@@ -163,6 +169,7 @@ def test_a_stream_entering_one_gateway_is_counted_by_the_others_within_the_bound
                 "ignore_eos": True,
             }
             with gateways[0].sse(body, timeout=120) as resp:
+                status[0] = resp.status_code
                 for _ in resp.iter_bytes():
                     if not first.is_set():
                         since[0] = time.monotonic()
@@ -176,7 +183,11 @@ def test_a_stream_entering_one_gateway_is_counted_by_the_others_within_the_bound
             seen = [pool.submit(_seen_after, g, first, since, 30) for g in gateways[1:]]
             for f in seen:
                 d = f.result()
-                assert d is not None, "a gateway never counted the other gateway's stream"
+                if d is None:  # (say what became of the stream: refused, ended early, still running)
+                    ended = "still running" if not runner.done() else repr(runner.exception() or "ended")
+                    raise AssertionError(
+                        f"a gateway never counted the other gateway's stream (HTTP {status[0]}, {ended})"
+                    )
                 delays.append(d)
             runner.result()
     print(f"\nin-flight seen by the other gateways after (s): {[round(d, 3) for d in delays]}")
