@@ -605,13 +605,12 @@ class InteractiveService:
                 "error_rate": g.window_errors.count() / recent if recent else 0.0,
             }
         shared = self.shared
-        fleet_groups = shared is not None and shared.fleet_counts is not None
-        if shared is not None and shared.fleet_counts is not None:
-            for key in {*shared.fleet_counts, *self._group_counts()}:
-                head, _, what = key.rpartition(":")
-                if head.startswith("group:") and what in ("requests", "errors"):
-                    group = groups.setdefault(head[6:], {"requests": 0, "errors": 0, "error_rate": 0.0})
-                    group[what] = shared.fleet_count(key)
+        totals = shared.fleet_totals() if shared is not None else None
+        for key, n in (totals or {}).items():
+            head, _, what = key.rpartition(":")
+            if head.startswith("group:") and what in ("requests", "errors"):
+                group = groups.setdefault(head[6:], {"requests": 0, "errors": 0, "error_rate": 0.0})
+                group[what] = n
         for state in self.registry:
             groups.setdefault(state.group, {"requests": 0, "errors": 0, "error_rate": 0.0})
         out: dict[str, Any] = {
@@ -619,7 +618,7 @@ class InteractiveService:
             "scope": "fleet" if fleet else "gateway",
             "pools": pools,
             # (the groups' counts are every process's from the first sync on, whatever "scope")
-            "groups_scope": "fleet" if fleet_groups else "gateway",
+            "groups_scope": "fleet" if totals is not None else "gateway",
             "groups": groups,
         }
         if shared is not None:

@@ -31,7 +31,7 @@ slots and every load scorer see the fleet's load.
   that stays free is seen one interval later).
 * **Counters add up across gateways.** A gateway's cumulative counters (``counters``: a canary
   group's requests and errors) go to the store as increments at each sync and come back as the
-  fleet's totals (:meth:`SharedLoad.fleet_count`), which grow however many processes count and
+  fleet's totals (:meth:`SharedLoad.fleet_totals`), which grow however many processes count and
   whichever one is asked, and outlive a process that restarts; an increment a failed sync did
   not deliver goes with the next.
 * **The request path does no I/O.** ``acquire``/``release`` change local counters as before;
@@ -150,7 +150,7 @@ class SharedLoad:
     gateway's published counts live in the store, and the age past which this gateway stops
     using what it read; ``timeout_s`` -- one sync's limit; ``queue_depth`` -- this gateway's
     admission queue per pool; ``counters`` -- this gateway's cumulative counters by name, added
-    up across gateways (:meth:`fleet_count`); ``on_freed`` -- called with a pool whose other
+    up across gateways (:meth:`fleet_totals`); ``on_freed`` -- called with a pool whose other
     gateways freed slots (or whose cap grew), to wake this gateway's waiting requests;
     ``on_sync`` -- called after each successful sync with its duration and the oldest the view
     had grown before it.
@@ -207,13 +207,17 @@ class SharedLoad:
             return math.inf
         return self._data_age + ((self.clock.now() if now is None else now) - self._synced_at)
 
-    def fleet_count(self, name: str) -> int | None:
-        """Counter ``name`` over every gateway: the totals of the last sync plus what this one
-        counted since (``None`` before a first sync). It only grows, however long the store is
+    def fleet_totals(self) -> dict[str, int] | None:
+        """Every counter over every gateway: the totals of the last sync plus what this one
+        counted since (``None`` before a first sync). They only grow, however long the store is
         away."""
         if self.fleet_counts is None:
             return None
-        return self.fleet_counts.get(name, 0) + self.counters().get(name, 0) - self._delivered.get(name, 0)
+        counted = self.counters()
+        totals = dict(self.fleet_counts)
+        for name, n in counted.items():
+            totals[name] = totals.get(name, 0) + n - self._delivered.get(name, 0)
+        return totals
 
     # -- one round ---------------------------------------------------------------------------------
 

@@ -193,7 +193,7 @@ def test_with_shared_load_state_the_load_signal_counts_the_fleet(tmp_path: Path)
             gateways=3,
             fleet_counts={"group:canary:requests": 40, "group:canary:errors": 2},
         )
-        service.shared.fleet_count = service.shared.fleet_counts.get
+        service.shared.fleet_totals = lambda: service.shared.fleet_counts
         # When the scheduler reads this gateway's load signal,
         load = service.load_json()
         # Then it answers for the fleet: the others' rates and queues count.

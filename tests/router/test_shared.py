@@ -391,26 +391,26 @@ async def test_counters_add_up_over_gateways_whichever_is_asked_and_survive_an_o
     a, b = (_gateway(store, name)[1] for name in ("a", "b"))
     mine = {"a": {"group:canary:requests": 0}, "b": {"group:canary:requests": 0}}
     a.counters, b.counters = (lambda: mine["a"]), (lambda: mine["b"])
-    assert a.fleet_count("group:canary:requests") is None  # (nothing read yet)
+    assert a.fleet_totals() is None  # (nothing read yet)
     # When both count and sync,
     mine["a"]["group:canary:requests"], mine["b"]["group:canary:requests"] = 30, 12
     await a.sync_once()
     await b.sync_once()
     await a.sync_once()
     # Then either answers with the fleet's total, each increment delivered once,
-    assert a.fleet_count("group:canary:requests") == b.fleet_count("group:canary:requests") == 42
+    assert a.fleet_totals()["group:canary:requests"] == b.fleet_totals()["group:canary:requests"] == 42
     # And while the store is away a gateway goes on adding what it counts, and what it counted
     # meanwhile reaches the store with its next sync.
     store.down = True
     mine["a"]["group:canary:requests"] = 35
     assert not await a.sync_once()
-    assert a.fleet_count("group:canary:requests") == 47
+    assert a.fleet_totals()["group:canary:requests"] == 47
     store.down = False
     assert await a.sync_once() and await b.sync_once()
     assert store.counts == {"group:canary:requests": 47}
-    assert b.fleet_count("group:canary:requests") == 47
+    assert b.fleet_totals()["group:canary:requests"] == 47
     # A gateway that restarts (its counters from zero) adds to the total instead of taking from it.
     a2 = _gateway(store, "a2")[1]
     a2.counters = lambda: {"group:canary:requests": 2}
     await a2.sync_once()
-    assert a2.fleet_count("group:canary:requests") == 49
+    assert a2.fleet_totals()["group:canary:requests"] == 49
